@@ -1,0 +1,40 @@
+# Two commands do all set-up: `make run` and `make test`. Both create and reuse .venv/.
+SHELL := /bin/bash
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+CORES ?= 2
+CONFIG ?= config.yaml
+
+.PHONY: run test lint bench setup data clean-results
+
+$(STAMP): requirements.txt pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --disable-pip-version-check -r requirements.txt
+	$(BIN)/pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
+	touch $(STAMP)
+
+setup: $(STAMP) data
+
+# Fashion-MNIST ships as a Debian package; install it when missing and apt is usable.
+data:
+	@if [ ! -e /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz ] && command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
+	  (apt-get update -qq && apt-get install -y -qq dataset-fashion-mnist) >/dev/null || echo "warning: could not install dataset-fashion-mnist"; fi
+
+run: setup
+	$(BIN)/snakemake --cores $(CORES) --configfile $(CONFIG) --rerun-incomplete
+	@cat results/summary/finetune.md
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests bench
+	$(BIN)/ruff format --check src tests bench
+
+bench: setup
+	$(BIN)/python bench/dp_step.py
+
+clean-results:
+	rm -rf results logs benchmarks

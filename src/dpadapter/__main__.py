@@ -1,0 +1,5 @@
+import sys
+
+from dpadapter.cli import main
+
+sys.exit(main())

@@ -1,0 +1,143 @@
+"""Real dataset loaders, all through torchvision, plus a synthetic set the tests make.
+
+Fashion-MNIST is read from Debian's `dataset-fashion-mnist` files when present (the embedded
+default runs offline); CIFAR-10/100, SVHN and STL-10 are downloaded by torchvision where the
+cluster has internet, otherwise the error names the files to place under `data.root`.
+"""
+
+from __future__ import annotations
+
+import gzip
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dpadapter.compat.torchvision_ops import import_torchvision
+from dpadapter.data.registry import ArraySplit, DatasetUnavailable, register_dataset
+
+DEBIAN_FASHION_MNIST = Path("/usr/share/datasets/fashion-mnist")
+_FMNIST_FILES = (
+    "train-images-idx3-ubyte",
+    "train-labels-idx1-ubyte",
+    "t10k-images-idx3-ubyte",
+    "t10k-labels-idx1-ubyte",
+)
+
+
+def _as_split(images: np.ndarray | torch.Tensor, labels, channels_last: bool) -> ArraySplit:
+    x = torch.as_tensor(np.asarray(images))
+    if x.ndim == 3:
+        x = x.unsqueeze(1)
+    elif channels_last:
+        x = x.permute(0, 3, 1, 2)
+    y = torch.as_tensor(np.asarray(labels), dtype=torch.long)
+    return ArraySplit(x.contiguous().to(torch.uint8), y)
+
+
+def _missing(name: str, root: Path, files: list[str], hint: str) -> DatasetUnavailable:
+    listed = "\n".join(f"  {root / f}" for f in files)
+    return DatasetUnavailable(
+        f"dataset {name!r} is not available offline; missing:\n{listed}\n{hint}"
+    )
+
+
+def prepare_fashion_mnist(root: Path, download: bool, debian_dir: Path = DEBIAN_FASHION_MNIST) -> Path:
+    """Put the raw idx files where torchvision looks (`<root>/FashionMNIST/raw/`)."""
+    raw = root / "FashionMNIST" / "raw"
+    missing = [f for f in _FMNIST_FILES if not (raw / f).is_file()]
+    if missing and all((debian_dir / f"{f}.gz").is_file() for f in missing):
+        raw.mkdir(parents=True, exist_ok=True)
+        for f in missing:
+            tmp = raw / f"{f}.part"
+            with gzip.open(debian_dir / f"{f}.gz", "rb") as src, open(tmp, "wb") as dst:
+                shutil.copyfileobj(src, dst)
+            tmp.replace(raw / f)
+        missing = []
+    if missing and not download:
+        raise _missing(
+            "fashion-mnist",
+            raw,
+            missing,
+            "install Debian's dataset-fashion-mnist (apt-get install dataset-fashion-mnist), "
+            "or set data.download: true where there is internet.",
+        )
+    return raw
+
+
+@register_dataset("fashion-mnist")
+def fashion_mnist(root: Path, download: bool) -> tuple[ArraySplit, ArraySplit]:
+    prepare_fashion_mnist(root, download)
+    tv = import_torchvision()
+    out = []
+    for train in (True, False):
+        ds = tv.datasets.FashionMNIST(str(root), train=train, download=download)
+        out.append(_as_split(ds.data, ds.targets, channels_last=False))
+    return out[0], out[1]
+
+
+def _torchvision_pair(name, cls_name, root, download, files, kw_train, kw_test, label_attr, channels_last):
+    tv = import_torchvision()
+    cls = getattr(tv.datasets, cls_name)
+    try:
+        tr = cls(str(root), download=download, **kw_train)
+        te = cls(str(root), download=download, **kw_test)
+    except RuntimeError as exc:  # torchvision: "Dataset not found or corrupted"
+        raise _missing(name, root, files, f"set data.download: true where there is internet ({exc})") from exc
+    except OSError as exc:  # download failed (no network)
+        raise _missing(name, root, files, f"download failed: {exc}") from exc
+    return (
+        _as_split(tr.data, getattr(tr, label_attr), channels_last),
+        _as_split(te.data, getattr(te, label_attr), channels_last),
+    )
+
+
+@register_dataset("cifar10")
+def cifar10(root: Path, download: bool):
+    return _torchvision_pair(
+        "cifar10", "CIFAR10", root, download, ["cifar-10-batches-py/"],
+        {"train": True}, {"train": False}, "targets", True,
+    )
+
+
+@register_dataset("cifar100")
+def cifar100(root: Path, download: bool):
+    return _torchvision_pair(
+        "cifar100", "CIFAR100", root, download, ["cifar-100-python/"],
+        {"train": True}, {"train": False}, "targets", True,
+    )
+
+
+@register_dataset("svhn")
+def svhn(root: Path, download: bool):
+    return _torchvision_pair(
+        "svhn", "SVHN", root, download, ["train_32x32.mat", "test_32x32.mat"],
+        {"split": "train"}, {"split": "test"}, "labels", False,
+    )
+
+
+@register_dataset("stl10")
+def stl10(root: Path, download: bool):
+    return _torchvision_pair(
+        "stl10", "STL10", root, download, ["stl10_binary/"],
+        {"split": "train"}, {"split": "test"}, "labels", False,
+    )
+
+
+@register_dataset("synthetic")
+def synthetic(root: Path, download: bool, n_train: int = 3000, n_test: int = 1000):
+    """Ten classes of 1x16x16 images: a fixed random template per class plus pixel noise.
+
+    Small and learnable in a few steps, so tests exercise the real training code in seconds.
+    """
+    g = torch.Generator().manual_seed(20261121)
+    templates = torch.rand(10, 1, 16, 16, generator=g)
+
+    def make(n: int) -> ArraySplit:
+        y = torch.arange(n) % 10
+        y = y[torch.randperm(n, generator=g)]
+        x = templates[y] * 0.7 + 0.3 * torch.rand(n, 1, 16, 16, generator=g)
+        return ArraySplit((x * 255).round().to(torch.uint8), y)
+
+    return make(n_train), make(n_test)

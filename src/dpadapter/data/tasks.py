@@ -1,0 +1,147 @@
+"""Carve the public set and the private tasks out of the source datasets, disjointly.
+
+Allocation is deterministic (`data.split_seed`) and ordered: the public set first, then the
+tasks in config order, each taking examples not yet taken. So the public set (and every
+pre-trained checkpoint) depends only on the public config, and a task drawn from the same source
+as the public set (Hypothesis 1 of the DPAdapter paper) is disjoint from it by construction.
+Validation examples come from a task's training pool; test examples only from the source's test
+split. Normalisation statistics come from the public training images alone, so no private
+statistic leaks into pre-processing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import TensorDataset
+
+from dpadapter.config import Config, SplitConfig
+from dpadapter.data.registry import ArraySplit, load_dataset
+
+
+class SplitError(ValueError):
+    """A role asks for more examples than its source has left."""
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """Source indices of one role: which examples of the source's train/test pools it owns."""
+
+    dataset: str
+    classes: tuple[int, ...]
+    train: torch.Tensor
+    val: torch.Tensor
+    test: torch.Tensor
+
+
+@dataclass(frozen=True)
+class RoleData:
+    name: str
+    num_classes: int
+    train: TensorDataset
+    val: TensorDataset
+    test: TensorDataset
+    allocation: Allocation
+
+
+@dataclass(frozen=True)
+class SplitPlan:
+    allocations: dict[str, Allocation]  # "public" and every task name
+    mean: torch.Tensor
+    std: torch.Tensor
+    in_chans: int
+    image_size: int
+
+
+def _take(pool_labels, free, classes, n, perm, what):
+    """First `n` free examples of `classes` in the order of `perm`; marks them used."""
+    wanted = torch.isin(pool_labels, torch.tensor(classes)) & free
+    order = perm[wanted[perm]]
+    if n is None:
+        n = int(order.numel())
+    if n > order.numel():
+        raise SplitError(f"{what}: asks for {n} examples of classes {list(classes)}, only {order.numel()} left")
+    chosen = order[:n]
+    free[chosen] = False
+    return chosen
+
+
+def allocate(cfg: Config, pools: dict[str, tuple[ArraySplit, ArraySplit]]) -> dict[str, Allocation]:
+    roles: list[tuple[str, SplitConfig]] = [("public", cfg.public), *cfg.tasks.items()]
+    free: dict[tuple[str, str], torch.Tensor] = {}
+    perms: dict[tuple[str, str], torch.Tensor] = {}
+    out = {}
+    for name, sc in roles:
+        train_pool, test_pool = pools[sc.dataset]
+        classes = sc.classes or tuple(sorted(set(train_pool.labels.tolist())))
+        for which, pool in (("train", train_pool), ("test", test_pool)):
+            key = (sc.dataset, which)
+            if key not in free:
+                free[key] = torch.ones(len(pool), dtype=torch.bool)
+                g = torch.Generator().manual_seed(cfg.data.split_seed * 1_000_003 + (which == "test"))
+                perms[key] = torch.randperm(len(pool), generator=g)
+        tr_key, te_key = (sc.dataset, "train"), (sc.dataset, "test")
+        n_fit = None if sc.n_train is None else sc.n_train + sc.n_val
+        fit = _take(train_pool.labels, free[tr_key], classes, n_fit, perms[tr_key], f"{name} (train+val)")
+        if sc.n_train is None and sc.n_val:
+            if fit.numel() <= sc.n_val:
+                raise SplitError(f"{name}: n_val={sc.n_val} leaves no training examples")
+        val, train = fit[: sc.n_val], fit[sc.n_val :]
+        test = _take(test_pool.labels, free[te_key], classes, sc.n_test, perms[te_key], f"{name} (test)")
+        out[name] = Allocation(sc.dataset, tuple(classes), train, val, test)
+    return out
+
+
+def _to_float(images: torch.Tensor, image_size: int | None) -> torch.Tensor:
+    x = images.float().div_(255.0)
+    if image_size is not None and x.shape[-1] != image_size:
+        x = F.interpolate(x, size=(image_size, image_size), mode="bilinear", align_corners=False)
+    return x
+
+
+def _relabel(labels: torch.Tensor, classes: tuple[int, ...]) -> torch.Tensor:
+    top = max(classes) if labels.numel() == 0 else max(max(classes), int(labels.max()))
+    lut = torch.full((top + 1,), -1, dtype=torch.long)
+    lut[torch.tensor(classes)] = torch.arange(len(classes))
+    return lut[labels]
+
+
+def load_pools(cfg: Config) -> dict[str, tuple[ArraySplit, ArraySplit]]:
+    names = {cfg.public.dataset, *(t.dataset for t in cfg.tasks.values())}
+    return {n: load_dataset(n, cfg.data.root, cfg.data.download) for n in sorted(names)}
+
+
+def build_splits(cfg: Config, roles: list[str] | None = None) -> tuple[SplitPlan, dict[str, RoleData]]:
+    """Allocate every role, then materialise normalised tensors for the requested ones."""
+    pools = load_pools(cfg)
+    allocs = allocate(cfg, pools)
+    pub = allocs["public"]
+    pub_train = pools[pub.dataset][0].images[pub.train]
+    image_size = cfg.data.image_size or int(pub_train.shape[-1])
+    x_pub = _to_float(pub_train, image_size)
+    mean = x_pub.mean(dim=(0, 2, 3))
+    std = x_pub.std(dim=(0, 2, 3)).clamp_min(1e-6)
+    in_chans = int(x_pub.shape[1])
+    plan = SplitPlan(allocs, mean, std, in_chans, image_size)
+    del x_pub
+
+    out = {}
+    for name in roles if roles is not None else list(allocs):
+        if name not in allocs:
+            raise KeyError(f"unknown role {name!r}; known: {sorted(allocs)}")
+        a = allocs[name]
+        train_pool, test_pool = pools[a.dataset]
+        parts = []
+        for pool, idx in ((train_pool, a.train), (train_pool, a.val), (test_pool, a.test)):
+            x = _to_float(pool.images[idx], image_size)
+            if x.shape[1] != in_chans:
+                raise SplitError(
+                    f"{name}: images have {x.shape[1]} channels, the public set {in_chans}; "
+                    "choose datasets with matching channels"
+                )
+            x = (x - mean.view(1, -1, 1, 1)) / std.view(1, -1, 1, 1)
+            parts.append(TensorDataset(x, _relabel(pool.labels[idx], a.classes)))
+        out[name] = RoleData(name, len(a.classes), *parts, allocation=a)
+    return plan, out

@@ -1,0 +1,41 @@
+"""One way to build every backbone, and one way to swap its head for a task."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dpadapter.config import ModelConfig
+from dpadapter.models.nets import ResNet20GN, SmallCNN
+
+MODEL_NAMES = {"resnet20-gn": ResNet20GN, "cnn-gn": SmallCNN}
+
+
+def create_model(cfg: ModelConfig, num_classes: int, in_chans: int, seed: int) -> nn.Module:
+    """Build with an explicit seed; timm backbones get their BatchNorms replaced by GroupNorm.
+
+    Never loads weights from a hub (pretrained=False): upstream weights come from this pipeline.
+    """
+    torch.manual_seed(seed)
+    if cfg.name.startswith("timm:"):
+        import timm
+        from opacus.validators import ModuleValidator
+
+        model = timm.create_model(cfg.name[5:], pretrained=False, num_classes=num_classes, in_chans=in_chans)
+        return ModuleValidator.fix(model)
+    try:
+        cls = MODEL_NAMES[cfg.name]
+    except KeyError:
+        raise KeyError(f"unknown model {cfg.name!r}; known: {sorted(MODEL_NAMES)} or timm:<name>") from None
+    return cls(num_classes=num_classes, in_chans=in_chans, groups=cfg.groups, width=cfg.width)
+
+
+def replace_head(model: nn.Module, num_classes: int, seed: int) -> nn.Module:
+    """Fresh, seeded classifier for a task's classes (timm's reset_classifier interface)."""
+    torch.manual_seed(seed)
+    model.reset_classifier(num_classes)
+    return model
+
+
+def get_head_params(model: nn.Module) -> list[nn.Parameter]:
+    return list(model.get_classifier().parameters())

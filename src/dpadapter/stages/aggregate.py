@@ -1,0 +1,105 @@
+"""Summaries over seeds: `finetune.csv` and a Table-1-style markdown table."""
+
+from __future__ import annotations
+
+import csv
+import json
+import statistics
+from collections import defaultdict
+from pathlib import Path
+
+COLUMNS = ["upstream", "task", "algorithm", "epsilon", "mean_accuracy", "std_accuracy", "n_seeds",
+           "mean_robust_accuracy", "mean_epsilon_spent"]
+
+
+def collect(paths: list[Path]) -> list[dict]:
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for p in paths:
+        m = json.loads(Path(p).read_text())
+        w = m["wildcards"]
+        groups[(w["upstream"], w["task"], w["algo"], float(w["eps"]))].append(m)
+    rows = []
+    for (up, task, algo, eps), ms in sorted(groups.items()):
+        accs = [m["test_accuracy"] for m in ms]
+        rows.append(
+            {
+                "upstream": up,
+                "task": task,
+                "algorithm": algo,
+                "epsilon": eps,
+                "mean_accuracy": statistics.fmean(accs),
+                "std_accuracy": statistics.stdev(accs) if len(accs) > 1 else 0.0,
+                "n_seeds": len(accs),
+                "mean_robust_accuracy": statistics.fmean(m["test_robust_accuracy"] for m in ms),
+                "mean_epsilon_spent": statistics.fmean(m["privacy"]["epsilon"] for m in ms),
+            }
+        )
+    return rows
+
+
+def write_csv(rows: list[dict], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=COLUMNS)
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: (f"{v:.4f}" if isinstance(v, float) and k != "epsilon" else (f"{v:g}" if k == "epsilon" else v)) for k, v in r.items()})
+
+
+def _fmt(mean: float, std: float, n: int) -> str:
+    return f"{100 * mean:.1f} ± {100 * std:.1f}" if n > 1 else f"{100 * mean:.1f}"
+
+
+def table1_markdown(rows: list[dict], upstream_order: list[str], pretrain: dict[str, dict] | None = None) -> str:
+    """Rows algorithm x upstream, columns task x epsilon plus the average over tasks."""
+    tasks = sorted({r["task"] for r in rows})
+    epss = sorted({r["epsilon"] for r in rows})
+    algos = list(dict.fromkeys(r["algorithm"] for r in rows))
+    ups = [u for u in upstream_order if any(r["upstream"] == u for r in rows)]
+    by = {(r["algorithm"], r["upstream"], r["task"], r["epsilon"]): r for r in rows}
+    head = ["Algorithm", "Upstream"] + [f"{t} ε={e:g}" for t in tasks for e in epss] + [f"Average ε={e:g}" for e in epss]
+    if pretrain:
+        head += ["public acc", "public robust acc"]
+    lines = [
+        "Test accuracy (%) of DP fine-tuning, mean ± std over seeds.",
+        "",
+        "| " + " | ".join(head) + " |",
+        "|" + "---|" * len(head),
+    ]
+    for a in algos:
+        for u in ups:
+            cells = []
+            for t in tasks:
+                for e in epss:
+                    r = by.get((a, u, t, e))
+                    cells.append(_fmt(r["mean_accuracy"], r["std_accuracy"], r["n_seeds"]) if r else "–")
+            for e in epss:
+                vals = [by[(a, u, t, e)]["mean_accuracy"] for t in tasks if (a, u, t, e) in by]
+                cells.append(f"{100 * statistics.fmean(vals):.1f}" if len(vals) == len(tasks) else "–")
+            if pretrain:
+                p = pretrain.get(u, {})
+                cells += [
+                    f"{100 * p['public_test_accuracy']:.1f}" if p else "–",
+                    f"{100 * p['public_test_robust_accuracy']:.1f}" if p else "–",
+                ]
+            lines.append(f"| {a} | {u} | " + " | ".join(cells) + " |")
+    lines.append("")
+    rob = sorted({(r["algorithm"], r["upstream"]) for r in rows}, key=lambda k: (algos.index(k[0]), ups.index(k[1])))
+    lines += ["Robust test accuracy (%) of the fine-tuned models (Gaussian noise on all weights):", ""]
+    lines.append("| " + " | ".join(["Algorithm", "Upstream"] + [f"{t} ε={e:g}" for t in tasks for e in epss]) + " |")
+    lines.append("|" + "---|" * (2 + len(tasks) * len(epss)))
+    for a, u in rob:
+        cells = [f"{100 * by[(a, u, t, e)]['mean_robust_accuracy']:.1f}" if (a, u, t, e) in by else "–" for t in tasks for e in epss]
+        lines.append(f"| {a} | {u} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def run(metrics_paths: list[Path], pretrain_paths: list[Path], upstream_order: list[str], csv_out: Path, md_out: Path) -> list[dict]:
+    rows = collect(metrics_paths)
+    write_csv(rows, csv_out)
+    pre = {}
+    for p in pretrain_paths:
+        m = json.loads(Path(p).read_text())
+        pre[m["wildcards"]["upstream"]] = m
+    md_out.write_text(table1_markdown(rows, upstream_order, pre))
+    return rows

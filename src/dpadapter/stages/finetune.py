@@ -1,0 +1,177 @@
+"""DP fine-tuning of one pre-trained model on one private task with one registered algorithm.
+
+Epsilon in, noise out: the algorithm calibrates sigma from the target epsilon for the exact
+number of Poisson-sampled steps this run will take; the ledger then records every release that
+was actually made, and the reported epsilon is recomputed from that history.
+Validation accuracy on the private validation split is reported per epoch but steers nothing
+(no early stopping, no selection), so it costs no privacy; test accuracy is computed once, at
+the end.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+from opacus.data_loader import DPDataLoader
+from opacus.grad_sample.utils import wrap_model
+from opacus.utils.batch_memory_manager import BatchMemoryManager
+from opacus.validators import ModuleValidator
+from torch import nn
+
+from dpadapter.algorithms import ALGORITHMS, DPRunSpec
+from dpadapter.config import Config
+from dpadapter.data import build_splits
+from dpadapter.models import replace_head
+from dpadapter.privacy import PrivacyLedger
+from dpadapter.stages.job import seed_everything, training_job
+from dpadapter.train.checkpoint import load_model, save_model
+from dpadapter.train.loops import evaluate, progress, robust_accuracy
+
+
+def run_spec(cfg: Config, algo: str, eps: float, n_train: int) -> DPRunSpec:
+    ft = cfg.finetune
+    if ft.batch_size > n_train:
+        raise ValueError(f"finetune.batch_size={ft.batch_size} exceeds the task's {n_train} training examples")
+    q = ft.batch_size / n_train
+    return DPRunSpec(
+        target_epsilon=eps,
+        delta=cfg.privacy.delta,
+        sample_rate=q,
+        steps_per_epoch=int(1 / q),  # what Opacus' DPDataLoader yields per epoch
+        epochs=ft.epochs,
+        expected_batch_size=ft.batch_size,
+        max_grad_norm=ft.max_grad_norm,
+        accountant=cfg.privacy.accountant,
+        params=dict(ft.algo_params.get(algo, {})),
+    )
+
+
+def dp_train(
+    model: nn.Module,
+    train: torch.utils.data.TensorDataset,
+    algo_name: str,
+    spec: DPRunSpec,
+    cfg: Config,
+    seed: int,
+    on_epoch=None,
+):
+    """Train `model` in place with the algorithm; return (algorithm, ledger)."""
+    errors = ModuleValidator.validate(model, strict=False)
+    if errors:
+        raise ValueError(f"model is not DP-compatible: {errors}")
+    ledger = PrivacyLedger(spec.delta, spec.accountant)
+    noise_gen = torch.Generator().manual_seed(10_000 + seed)
+    algo = ALGORITHMS[algo_name](spec, ledger, noise_gen)
+    gsm = wrap_model(model, grad_sample_mode=cfg.finetune.grad_sample_mode, batch_first=True, loss_reduction="mean")
+    base_opt = torch.optim.SGD(gsm.parameters(), lr=cfg.finetune.lr, momentum=cfg.finetune.momentum)
+    optimizer = algo.make_optimizer(base_opt)
+    sample_gen = torch.Generator().manual_seed(20_000 + seed)
+    loader = DPDataLoader(train, sample_rate=spec.sample_rate, generator=sample_gen)
+    assert len(loader) == spec.steps_per_epoch, (len(loader), spec.steps_per_epoch)
+    loss_fn = nn.functional.cross_entropy
+    gsm.train()
+    for epoch in range(spec.epochs):
+        algo.start_epoch(epoch)
+        total, n = 0.0, 0
+        if cfg.finetune.physical_batch_size:
+            ctx = BatchMemoryManager(data_loader=loader, max_physical_batch_size=cfg.finetune.physical_batch_size, optimizer=optimizer)
+        else:
+            ctx = _nullctx(loader)
+        with ctx as batches:
+            for x, y in progress(batches, desc=f"{algo_name} epoch {epoch + 1}/{spec.epochs}"):
+                loss = algo.train_step(gsm, x, y, loss_fn)
+                if len(y):
+                    total += loss * len(y)
+                    n += len(y)
+        if on_epoch is not None:
+            on_epoch(epoch + 1, {"train_loss": total / max(1, n), "steps": ledger.steps, "epsilon_spent": ledger.epsilon()})
+    if hasattr(gsm, "_close"):
+        gsm._close()  # drop the per-sample hooks; evaluation uses the plain module
+    return algo, ledger
+
+
+class _nullctx:
+    def __init__(self, it):
+        self.it = it
+
+    def __enter__(self):
+        return self.it
+
+    def __exit__(self, *exc):
+        return False
+
+
+def run(cfg: Config, upstream: str, task: str, algo_name: str, eps: float, seed: int, ckpt: Path, out_dir: Path) -> dict:
+    if algo_name not in ALGORITHMS:
+        raise KeyError(f"unknown algorithm {algo_name!r}; known: {sorted(ALGORITHMS)}")
+    if task not in cfg.tasks:
+        raise KeyError(f"unknown task {task!r}; known: {sorted(cfg.tasks)}")
+    if not math.isfinite(eps) or eps <= 0:
+        raise ValueError(f"epsilon must be positive and finite, got {eps}")
+    seed_everything(seed)
+    _, roles = build_splits(cfg, [task])
+    data = roles[task]
+    model, ckpt_meta = load_model(ckpt)
+    replace_head(model, data.num_classes, seed)
+    spec = run_spec(cfg, algo_name, eps, len(data.train))
+    wildcards = {"upstream": upstream, "task": task, "algo": algo_name, "eps": f"{eps:g}", "seed": str(seed)}
+    with training_job(cfg, "finetune", wildcards, out_dir) as (run_, metrics):
+
+        def log_epoch(epoch: int, stats: dict) -> None:
+            stats = {**stats, "val_accuracy": evaluate(model, data.val) if len(data.val) else float("nan")}
+            run_.log_metrics(stats, step=epoch)
+            metrics.setdefault("epochs", []).append({"epoch": epoch, **stats})
+
+        algo, ledger = dp_train(model, data.train, algo_name, spec, cfg, seed, on_epoch=log_epoch)
+        epsilon = ledger.epsilon()
+        if epsilon > eps * 1.001:
+            raise RuntimeError(f"spent epsilon {epsilon:.4f} exceeds the target {eps}")
+        r = cfg.robustness
+        hyper = {
+            **algo.describe(),
+            "lr": cfg.finetune.lr,
+            "momentum": cfg.finetune.momentum,
+            "epochs": spec.epochs,
+            "expected_batch_size": spec.expected_batch_size,
+            "max_grad_norm": spec.max_grad_norm,
+            "grad_sample_mode": cfg.finetune.grad_sample_mode,
+            "physical_batch_size": cfg.finetune.physical_batch_size,
+            "seed": seed,
+            "n_train": len(data.train),
+        }
+        run_.log_params(hyper)
+        metrics.update(
+            {
+                "test_accuracy": evaluate(model, data.test),
+                "val_accuracy": evaluate(model, data.val) if len(data.val) else None,
+                "test_robust_accuracy": robust_accuracy(model, data.test, r.noise_std, r.draws, r.seed),
+                "robustness": {"noise_std": r.noise_std, "draws": r.draws, "seed": r.seed},
+                "hyperparameters": hyper,
+                "privacy": {
+                    "mechanism": "gaussian",
+                    "accountant": spec.accountant,
+                    "target_epsilon": eps,
+                    "epsilon": epsilon,
+                    "delta": spec.delta,
+                    "steps": ledger.steps,
+                    "sampling": "poisson",
+                    "history": ledger.state_dict()["history"],
+                    "validation_use": "reported only; selects nothing, so it is not charged",
+                    **({"mechanism_note": algo.mechanism_note} if algo.mechanism_note else {}),
+                },
+            }
+        )
+        run_.log_metrics(
+            {
+                "test_accuracy": metrics["test_accuracy"],
+                "test_robust_accuracy": metrics["test_robust_accuracy"],
+                "epsilon": epsilon,
+                "noise_multiplier": algo.sigma,
+                "steps": ledger.steps,
+            }
+        )
+        save_model(out_dir / "model.pt", model, cfg.model, data.num_classes, ckpt_meta["in_chans"], {"task": task})
+    return metrics
+

@@ -1,0 +1,105 @@
+"""MLflow: one run per training job, safe when many jobs start at once.
+
+The tracking URI is `MLFLOW_TRACKING_URI` if set, else `tracking.uri` from config, else a sqlite
+file in the working directory (the project root under Snakemake). Creating the sqlite schema and
+the experiment happens under a file lock, so parallel jobs never race on them; sqlite writers
+then wait on each other through a busy timeout instead of failing with "database is locked".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from dpadapter.config import TrackingConfig
+
+SQLITE_TIMEOUT_S = 60
+
+
+def resolve_uri(cfg: TrackingConfig) -> str:
+    uri = os.environ.get("MLFLOW_TRACKING_URI") or cfg.uri
+    if not uri:
+        uri = f"sqlite:///{Path.cwd() / 'mlruns.db'}"
+    if uri.startswith("sqlite:///") and "timeout=" not in uri:
+        uri += ("&" if "?" in uri else "?") + f"timeout={SQLITE_TIMEOUT_S}"
+    return uri
+
+
+def _lock_path(uri: str) -> Path:
+    if uri.startswith("sqlite:///"):
+        return Path(uri[len("sqlite:///") :].split("?", 1)[0] + ".lock")
+    return Path.cwd() / ".mlflow-init.lock"
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def ensure_experiment(cfg: TrackingConfig) -> str:
+    """Create the store and the experiment once (under a lock); return the experiment id."""
+    import mlflow
+
+    uri = resolve_uri(cfg)
+    mlflow.set_tracking_uri(uri)
+    with _file_lock(_lock_path(uri)):
+        exp = mlflow.get_experiment_by_name(cfg.experiment)
+        if exp is None:
+            return mlflow.create_experiment(cfg.experiment)
+        return exp.experiment_id
+
+
+def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(_flatten(v, key + "."))
+        elif isinstance(v, list | tuple):
+            out[key] = json.dumps(v)[:500]
+        else:
+            out[key] = v
+    return out
+
+
+class Run:
+    """A thin handle so training code logs without importing mlflow itself."""
+
+    def __init__(self, mlflow_mod, run):
+        self._mlflow = mlflow_mod
+        self.run = run
+        self.run_id = run.info.run_id
+
+    def log_params(self, params: dict[str, Any]) -> None:
+        flat = {k: ("None" if v is None else v) for k, v in _flatten(params).items()}
+        items = list(flat.items())
+        for i in range(0, len(items), 100):
+            self._mlflow.log_params(dict(items[i : i + 100]))
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        clean = {k: float(v) for k, v in _flatten(metrics).items() if isinstance(v, int | float) and not isinstance(v, bool)}
+        if clean:
+            self._mlflow.log_metrics(clean, step=step)
+
+    def log_artifact(self, path: str | Path) -> None:
+        self._mlflow.log_artifact(str(path))
+
+
+@contextlib.contextmanager
+def start_run(cfg: TrackingConfig, run_name: str, tags: dict[str, str]) -> Iterator[Run]:
+    import mlflow
+
+    exp_id = ensure_experiment(cfg)
+    with mlflow.start_run(experiment_id=exp_id, run_name=run_name, tags=tags) as run:
+        yield Run(mlflow, run)

@@ -1,0 +1,64 @@
+"""Registry of upstream (pre-training) methods; `{upstream}` wildcard values are its names.
+
+A method either starts from nothing (`needs_warmup = False`) or from the shared warm-up
+checkpoint, which Snakemake computes once for all methods and all their hyperparameters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+from torch import nn
+
+from dpadapter.config import Config
+from dpadapter.data.tasks import RoleData, SplitPlan
+
+UPSTREAMS: dict[str, type[UpstreamMethod]] = {}
+
+
+def register_upstream(name: str) -> Callable[[type[UpstreamMethod]], type[UpstreamMethod]]:
+    def deco(cls: type[UpstreamMethod]) -> type[UpstreamMethod]:
+        if name in UPSTREAMS:
+            raise KeyError(f"upstream method {name!r} registered twice")
+        cls.name = name
+        UPSTREAMS[name] = cls
+        return cls
+
+    return deco
+
+
+@dataclass
+class UpstreamContext:
+    cfg: Config
+    plan: SplitPlan
+    public: RoleData | None
+    warmup_model: nn.Module | None
+    seed: int
+    log_epoch: Callable[[int, dict], None]
+
+
+class UpstreamMethod:
+    name: ClassVar[str] = "base"
+    needs_warmup: ClassVar[bool] = True
+    needs_public_data: ClassVar[bool] = True
+
+    def __init__(self, params: dict[str, Any] | None = None):
+        params = dict(params or {})
+        unknown = set(params) - set(self.default_params())
+        if unknown:
+            raise ValueError(f"{self.name}: unknown parameters {sorted(unknown)}; known: {sorted(self.default_params())}")
+        self.params = {**self.default_params(), **params}
+
+    @classmethod
+    def default_params(cls) -> dict[str, Any]:
+        return {}
+
+    def build(self, ctx: UpstreamContext) -> nn.Module:
+        raise NotImplementedError
+
+
+def warmup_path(results_dir: str | Path) -> Path:
+    return Path(results_dir) / "warmup" / "model.pt"

@@ -1,0 +1,34 @@
+from dpadapter.upstream import UPSTREAMS as _UPSTREAM_REGISTRY
+
+
+def pretrain_inputs(wildcards):
+    """Methods that build on the warm-up get its checkpoint; scratch gets nothing."""
+    if _UPSTREAM_REGISTRY[wildcards.upstream].needs_warmup:
+        return {"warmup": f"{RESULTS}/warmup/model.pt"}
+    return {}
+
+
+rule pretrain:
+    """One registered upstream method (scratch, standard, ...) -> a pre-trained checkpoint."""
+    input:
+        unpack(pretrain_inputs),
+    output:
+        model=f"{RESULTS}/pretrain/{{upstream}}/model.pt",
+        metrics=f"{RESULTS}/pretrain/{{upstream}}/metrics.json",
+    params:
+        fp=lambda wc: fingerprint("data", "public", "model", "seed", "robustness")
+        + json.dumps(config.get("pretrain", {}).get("params", {}).get(wc.upstream, {}), sort_keys=True),
+        warmup=lambda wc, input: f"--warmup {input.warmup}" if "warmup" in input.keys() else "",
+    log:
+        "logs/pretrain/{upstream}.log",
+    benchmark:
+        "benchmarks/pretrain/{upstream}.tsv"
+    threads: workflow.cores
+    resources:
+        gpu=1,
+        mem_mb=8000,
+        runtime=720,
+    shell:
+        "DPADAPTER_THREADS={threads} {PYTHON} -m dpadapter --config {CONFIG_FILE} "
+        "pretrain --method {wildcards.upstream} {params.warmup} "
+        "--out {RESULTS}/pretrain/{wildcards.upstream} > {log} 2>&1"
