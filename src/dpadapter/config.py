@@ -46,7 +46,7 @@ class DataConfig:
 class ModelConfig:
     name: str = "cnn-gn"
     groups: int = 8
-    width: int = 32
+    width: int = 16
 
 
 @dataclass(frozen=True)
@@ -86,7 +86,7 @@ class FinetuneConfig:
     lr: float = 0.5
     momentum: float = 0.0
     max_grad_norm: float = 1.0
-    grad_sample_mode: str = "hooks"
+    grad_sample_mode: str = "ew"
     physical_batch_size: int | None = None
     algo_params: dict[str, dict[str, Any]] = field(default_factory=dict)
 

@@ -50,6 +50,7 @@ class DPRunSpec:
     max_grad_norm: float
     accountant: str = "prv"
     params: dict[str, Any] = field(default_factory=dict)
+    calibration_cache: str | None = None
 
     @property
     def total_steps(self) -> int:
@@ -80,7 +81,9 @@ class DPAlgorithm:
     # --- schedule / calibrate phases -------------------------------------------------------
     def calibrate(self) -> float:
         s = self.spec
-        return calibrate_sigma(s.target_epsilon, s.delta, s.sample_rate, s.total_steps, s.accountant)
+        return calibrate_sigma(
+            s.target_epsilon, s.delta, s.sample_rate, s.total_steps, s.accountant, s.calibration_cache
+        )
 
     def noise_multiplier(self, epoch: int) -> float:
         return self.sigma
@@ -114,10 +117,20 @@ class DPAlgorithm:
         """One physical batch; the optimizer skips the update until the logical batch ends."""
         assert self.optimizer is not None
         self.optimizer.zero_grad(set_to_none=True)
+        if len(y) == 0:
+            return self.empty_step(model)
         loss = loss_fn(model(x), y)
         loss.backward()
         self.optimizer.step()
         return float(loss.detach())
+
+    def empty_step(self, model: nn.Module) -> float:
+        """A Poisson batch can be empty: the release still happens (noise only), as accounted."""
+        assert self.optimizer is not None
+        for p in self.optimizer.params:
+            p.grad_sample = torch.zeros((0, *p.shape), dtype=p.dtype, device=p.device)
+        self.optimizer.step()
+        return 0.0
 
     def state_dict(self) -> dict[str, Any]:
         return {"sigma": self.sigma}

@@ -9,7 +9,11 @@ metrics.json.
 
 from __future__ import annotations
 
+import fcntl
+import json
+import os
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 EPS_ERROR = 0.01  # PRV discretisation error; Opacus returns the upper end of the bound
@@ -48,9 +52,49 @@ def epsilon_from_history(history: list[Segment], delta: float, accountant: str =
 
 
 def calibrate_sigma(
-    target_epsilon: float, delta: float, sample_rate: float, steps: int, accountant: str = "prv"
+    target_epsilon: float,
+    delta: float,
+    sample_rate: float,
+    steps: int,
+    accountant: str = "prv",
+    cache: str | Path | None = None,
 ) -> float:
-    """Smallest sigma (to Opacus' tolerance) whose epsilon does not exceed the target."""
+    """Smallest sigma (to Opacus' tolerance) whose epsilon does not exceed the target.
+
+    The bisection costs seconds with PRV and every job of a grid repeats the same few, so the
+    results are cached in a JSON file keyed by every input (the runs still check the spent
+    epsilon against the target from their own recorded history).
+    """
+    key = json.dumps([target_epsilon, delta, sample_rate, steps, accountant, EPS_ERROR])
+    if cache is not None:
+        hit = _read_cache(Path(cache)).get(key)
+        if hit is not None:
+            return float(hit)
+    sigma = _calibrate(target_epsilon, delta, sample_rate, steps, accountant)
+    if cache is not None:
+        _write_cache(Path(cache), key, sigma)
+    return sigma
+
+
+def _read_cache(path: Path) -> dict[str, float]:
+    try:
+        return json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return {}
+
+
+def _write_cache(path: Path, key: str, sigma: float) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        data = _read_cache(path)
+        data[key] = sigma
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data, indent=1))
+        os.replace(tmp, path)
+
+
+def _calibrate(target_epsilon: float, delta: float, sample_rate: float, steps: int, accountant: str) -> float:
     from opacus.accountants.utils import get_noise_multiplier
 
     kwargs: dict[str, Any] = {"epsilon_tolerance": 0.005}

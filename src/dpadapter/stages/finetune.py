@@ -45,6 +45,7 @@ def run_spec(cfg: Config, algo: str, eps: float, n_train: int) -> DPRunSpec:
         max_grad_norm=ft.max_grad_norm,
         accountant=cfg.privacy.accountant,
         params=dict(ft.algo_params.get(algo, {})),
+        calibration_cache=str(Path(cfg.results_dir) / ".cache" / "sigma.json"),
     )
 
 
