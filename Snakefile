@@ -6,7 +6,11 @@
 #   finetune  DP fine-tuning over {upstream} x {task} x {algo} x {eps} x {seed}
 #   aggregate results/summary/finetune.{csv,md} (Table 1 layout)
 
-configfile: "config.yaml"
+# --configfile REPLACES the embedded default instead of being merged into it (Snakemake would
+# otherwise merge the two task tables and run both grids).
+if not workflow.overwrite_configfiles:
+
+    configfile: "config.yaml"
 
 
 include: "workflow/rules/common.smk"

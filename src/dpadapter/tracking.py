@@ -97,9 +97,14 @@ class Run:
 
 
 @contextlib.contextmanager
-def start_run(cfg: TrackingConfig, run_name: str, tags: dict[str, str]) -> Iterator[Run]:
+def start_run(cfg: TrackingConfig, run_name: str, tags: dict[str, str], run_id: str | None = None) -> Iterator[Run]:
+    """A new run, or the run of an interrupted job being resumed (its metrics continue)."""
     import mlflow
 
     exp_id = ensure_experiment(cfg)
+    if run_id is not None:
+        with mlflow.start_run(run_id=run_id) as run:
+            yield Run(mlflow, run)
+        return
     with mlflow.start_run(experiment_id=exp_id, run_name=run_name, tags=tags) as run:
         yield Run(mlflow, run)

@@ -2,6 +2,7 @@
 # any job is scheduled, and define the grid every other rule file reads.
 import hashlib
 import json
+import logging
 import sys
 from pathlib import Path
 
@@ -13,6 +14,9 @@ try:
     CFG = from_dict(config)
 except ConfigError as exc:
     raise WorkflowError(str(exc)) from None
+
+# Opacus calls logging.basicConfig() at import, which would print every Snakemake message twice.
+logging.root.handlers.clear()
 
 RESULTS = CFG.results_dir
 PYTHON = sys.executable

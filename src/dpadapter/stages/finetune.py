@@ -11,6 +11,7 @@ the end.
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 
 import torch
@@ -57,8 +58,16 @@ def dp_train(
     cfg: Config,
     seed: int,
     on_epoch=None,
+    resume: dict | None = None,
+    save_state=None,
 ):
-    """Train `model` in place with the algorithm; return (algorithm, ledger)."""
+    """Train `model` in place with the algorithm; return (algorithm, ledger).
+
+    `resume` is a state written by `save_state` at the end of an earlier epoch: model,
+    optimizer (momentum), algorithm state, privacy ledger and every RNG. Restoring all of them
+    makes the resumed run take exactly the batches, noise and releases of an uninterrupted one,
+    and its ledger keeps the releases made before the interruption.
+    """
     errors = ModuleValidator.validate(model, strict=False)
     if errors:
         raise ValueError(f"model is not DP-compatible: {errors}")
@@ -71,13 +80,25 @@ def dp_train(
     sample_gen = torch.Generator().manual_seed(20_000 + seed)
     loader = DPDataLoader(train, sample_rate=spec.sample_rate, generator=sample_gen)
     assert len(loader) == spec.steps_per_epoch, (len(loader), spec.steps_per_epoch)
+    first_epoch = 0
+    if resume is not None:
+        model.load_state_dict(resume["model"])
+        base_opt.load_state_dict(resume["optimizer"])
+        algo.load_state_dict(resume["algorithm"])
+        ledger.history = PrivacyLedger.from_state_dict(resume["ledger"]).history
+        noise_gen.set_state(resume["noise_rng"])
+        sample_gen.set_state(resume["sample_rng"])
+        torch.set_rng_state(resume["torch_rng"])
+        first_epoch = resume["epoch"]
     loss_fn = nn.functional.cross_entropy
     gsm.train()
-    for epoch in range(spec.epochs):
+    for epoch in range(first_epoch, spec.epochs):
         algo.start_epoch(epoch)
         total, n = 0.0, 0
         if cfg.finetune.physical_batch_size:
-            ctx = BatchMemoryManager(data_loader=loader, max_physical_batch_size=cfg.finetune.physical_batch_size, optimizer=optimizer)
+            ctx = BatchMemoryManager(
+                data_loader=loader, max_physical_batch_size=cfg.finetune.physical_batch_size, optimizer=optimizer
+            )
         else:
             ctx = _nullctx(loader)
         with ctx as batches:
@@ -86,11 +107,41 @@ def dp_train(
                 if len(y):
                     total += loss * len(y)
                     n += len(y)
+        stats = {"train_loss": total / max(1, n), "steps": ledger.steps, "epsilon_spent": ledger.epsilon()}
         if on_epoch is not None:
-            on_epoch(epoch + 1, {"train_loss": total / max(1, n), "steps": ledger.steps, "epsilon_spent": ledger.epsilon()})
+            on_epoch(epoch + 1, stats)
+        if save_state is not None and epoch + 1 < spec.epochs:
+            save_state(
+                {
+                    "epoch": epoch + 1,
+                    "model": model.state_dict(),
+                    "optimizer": base_opt.state_dict(),
+                    "algorithm": algo.state_dict(),
+                    "ledger": ledger.state_dict(),
+                    "noise_rng": noise_gen.get_state(),
+                    "sample_rng": sample_gen.get_state(),
+                    "torch_rng": torch.get_rng_state(),
+                }
+            )
     if hasattr(gsm, "_close"):
         gsm._close()  # drop the per-sample hooks; evaluation uses the plain module
     return algo, ledger
+
+
+def resume_path(cfg: Config, wildcards: dict[str, str]) -> Path:
+    """Resume state lives outside the job's declared outputs (Snakemake deletes those on failure)."""
+    w = wildcards
+    return (
+        Path(cfg.results_dir) / ".resume" / "finetune" / w["upstream"] / w["task"] / w["algo"]
+        / f"eps{w['eps']}" / f"seed{w['seed']}" / "state.pt"
+    )
+
+
+def _save_atomic(obj, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
 
 
 class _nullctx:
@@ -118,14 +169,32 @@ def run(cfg: Config, upstream: str, task: str, algo_name: str, eps: float, seed:
     replace_head(model, data.num_classes, seed)
     spec = run_spec(cfg, algo_name, eps, len(data.train))
     wildcards = {"upstream": upstream, "task": task, "algo": algo_name, "eps": f"{eps:g}", "seed": str(seed)}
-    with training_job(cfg, "finetune", wildcards, out_dir) as (run_, metrics):
+    state_file = resume_path(cfg, wildcards)
+    resume = torch.load(state_file, map_location="cpu", weights_only=False) if state_file.is_file() else None
+    identity = repr((spec, cfg.finetune, cfg.privacy, str(ckpt)))
+    if resume is not None and resume.get("identity") != identity:
+        print(f"warning: ignoring resume state {state_file}: written for another configuration")
+        resume = None
+    run_id = resume["mlflow_run_id"] if resume else None
+    with training_job(cfg, "finetune", wildcards, out_dir, resume_run_id=run_id) as (run_, metrics):
+        metrics["epochs"] = list(resume["epochs"]) if resume else []
+        if resume:
+            metrics["resumed_from_epoch"] = resume["epoch"]
 
         def log_epoch(epoch: int, stats: dict) -> None:
             stats = {**stats, "val_accuracy": evaluate(model, data.val) if len(data.val) else float("nan")}
             run_.log_metrics(stats, step=epoch)
-            metrics.setdefault("epochs", []).append({"epoch": epoch, **stats})
+            metrics["epochs"].append({"epoch": epoch, **stats})
 
-        algo, ledger = dp_train(model, data.train, algo_name, spec, cfg, seed, on_epoch=log_epoch)
+        def save_state(state: dict) -> None:
+            _save_atomic(
+                {**state, "epochs": metrics["epochs"], "mlflow_run_id": run_.run_id, "identity": identity},
+                state_file,
+            )
+
+        algo, ledger = dp_train(
+            model, data.train, algo_name, spec, cfg, seed, on_epoch=log_epoch, resume=resume, save_state=save_state
+        )
         epsilon = ledger.epsilon()
         if epsilon > eps * 1.001:
             raise RuntimeError(f"spent epsilon {epsilon:.4f} exceeds the target {eps}")
@@ -174,5 +243,6 @@ def run(cfg: Config, upstream: str, task: str, algo_name: str, eps: float, seed:
             }
         )
         save_model(out_dir / "model.pt", model, cfg.model, data.num_classes, ckpt_meta["in_chans"], {"task": task})
+    state_file.unlink(missing_ok=True)
     return metrics
 

@@ -30,7 +30,9 @@ def seed_everything(seed: int) -> None:
 
 
 @contextlib.contextmanager
-def training_job(cfg: Config, stage: str, wildcards: dict[str, str], out_dir: Path) -> Iterator[tuple[tracking.Run, dict]]:
+def training_job(
+    cfg: Config, stage: str, wildcards: dict[str, str], out_dir: Path, resume_run_id: str | None = None
+) -> Iterator[tuple[tracking.Run, dict]]:
     """Yield (mlflow run, metrics dict); on success write metrics.json and attach it to the run."""
     torch.set_num_threads(int(os.environ.get("DPADAPTER_THREADS", torch.get_num_threads())))
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -38,7 +40,7 @@ def training_job(cfg: Config, stage: str, wildcards: dict[str, str], out_dir: Pa
     tags = {"rule": stage, **{f"wildcard.{k}": str(v) for k, v in wildcards.items()}}
     metrics: dict[str, Any] = {"stage": stage, "wildcards": wildcards}
     t0 = time.time()
-    with tracking.start_run(cfg.tracking, run_name=name, tags=tags) as run:
+    with tracking.start_run(cfg.tracking, run_name=name, tags=tags, run_id=resume_run_id) as run:
         yield run, metrics
         metrics["wall_time_s"] = round(time.time() - t0, 2)
         metrics["host"] = platform.node()

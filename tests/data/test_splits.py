@@ -1,0 +1,76 @@
+"""Public set and tasks are disjoint, test examples never leave the test pool, stats are public."""
+
+import pytest
+import torch
+
+from dpadapter.config import from_dict
+from dpadapter.data import build_splits
+from dpadapter.data.tasks import SplitError
+
+
+def _pairs(allocs):
+    for which in ("train", "val", "test"):
+        for a in allocs.values():
+            yield which, a
+
+
+def test_roles_are_disjoint_within_each_source_pool(tiny_cfg):
+    plan, roles = build_splits(tiny_cfg)
+    allocs = plan.allocations
+    train_side = [torch.cat([a.train, a.val]) for a in allocs.values()]
+    test_side = [a.test for a in allocs.values()]
+    for side in (train_side, test_side):
+        allidx = torch.cat(side)
+        assert allidx.numel() == allidx.unique().numel(), "an example belongs to two roles"
+    for a in allocs.values():
+        assert set(a.train.tolist()).isdisjoint(a.val.tolist())
+
+
+def test_test_split_comes_only_from_the_source_test_pool(tiny_cfg):
+    from dpadapter.data import load_dataset
+
+    plan, roles = build_splits(tiny_cfg, ["syn-same"])
+    a = plan.allocations["syn-same"]
+    _, test_pool = load_dataset("synthetic", tiny_cfg.data.root)
+    x_test = roles["syn-same"].test.tensors[0]
+    raw = test_pool.images[a.test].float() / 255
+    expect = (raw - plan.mean.view(1, -1, 1, 1)) / plan.std.view(1, -1, 1, 1)
+    assert torch.allclose(x_test, expect)
+    # and the training tensors share no image with the test tensors
+    x_train = roles["syn-same"].train.tensors[0].flatten(1)
+    d = torch.cdist(x_train, x_test.flatten(1))
+    assert d.min() > 0
+
+
+def test_sizes_classes_and_relabelling(tiny_cfg):
+    _, roles = build_splits(tiny_cfg)
+    shift = roles["syn-shift"]
+    assert (len(shift.train), len(shift.val), len(shift.test)) == (400, 100, 300)
+    assert sorted(shift.train.tensors[1].unique().tolist()) == [0, 1, 2, 3, 4]
+    assert shift.num_classes == 5
+
+
+def test_normalisation_uses_public_training_images_only(tiny_raw, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    a, _ = build_splits(from_dict(tiny_raw), ["public"])
+    tiny_raw["tasks"]["syn-shift"]["n_train"] = 200  # a private change must not move the stats
+    b, _ = build_splits(from_dict(tiny_raw), ["public"])
+    assert torch.equal(a.mean, b.mean) and torch.equal(a.std, b.std)
+    assert torch.equal(a.allocations["public"].train, b.allocations["public"].train)
+
+
+def test_splits_are_deterministic_and_seeded(tiny_raw, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    a, _ = build_splits(from_dict(tiny_raw), [])
+    b, _ = build_splits(from_dict(tiny_raw), [])
+    tiny_raw["data"]["split_seed"] = 1
+    c, _ = build_splits(from_dict(tiny_raw), [])
+    assert torch.equal(a.allocations["syn-same"].train, b.allocations["syn-same"].train)
+    assert not torch.equal(a.allocations["syn-same"].train, c.allocations["syn-same"].train)
+
+
+def test_over_asking_is_a_clear_error(tiny_raw, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    tiny_raw["tasks"]["syn-same"]["n_train"] = 10_000
+    with pytest.raises(SplitError, match="syn-same"):
+        build_splits(from_dict(tiny_raw), [])

@@ -1,0 +1,37 @@
+import pytest
+import torch
+from opacus.validators import ModuleValidator
+
+from dpadapter.config import ModelConfig
+from dpadapter.models import create_model, get_head_params, replace_head
+
+
+@pytest.mark.parametrize("name", ["resnet20-gn", "cnn-gn", "timm:resnet18"])
+def test_models_pass_opacus_validation_and_swap_heads(name):
+    model = create_model(ModelConfig(name, 8, 16), num_classes=5, in_chans=1, seed=0)
+    assert ModuleValidator.validate(model, strict=False) == []
+    x = torch.randn(3, 1, 32, 32)
+    assert model(x).shape == (3, 5)
+    body = {k: v.clone() for k, v in model.state_dict().items()}
+    replace_head(model, 7, seed=1)
+    assert model(x).shape == (3, 7)
+    head_ids = {id(p) for p in get_head_params(model)}
+    for k, v in model.named_parameters():
+        if id(v) not in head_ids:
+            assert torch.equal(v, body[k]), f"{k} changed by head swap"
+
+
+def test_resnet20_has_twenty_weight_layers():
+    m = create_model(ModelConfig("resnet20-gn", 16, 16), 10, 3, seed=0)
+    convs = [mod for mod in m.modules() if isinstance(mod, torch.nn.Conv2d) and mod.kernel_size == (3, 3)]
+    linears = [mod for mod in m.modules() if isinstance(mod, torch.nn.Linear)]
+    assert len(convs) + len(linears) == 20
+
+
+def test_creation_is_seeded():
+    a = create_model(ModelConfig("cnn-gn", 8, 16), 5, 1, seed=3)
+    b = create_model(ModelConfig("cnn-gn", 8, 16), 5, 1, seed=3)
+    c = create_model(ModelConfig("cnn-gn", 8, 16), 5, 1, seed=4)
+    sa, sb, sc = a.state_dict(), b.state_dict(), c.state_dict()
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert not all(torch.equal(sa[k], sc[k]) for k in sa)

@@ -1,0 +1,92 @@
+"""The fine-tuning stage end to end on tiny data: metrics.json, accounting, resume."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from dpadapter.privacy import Segment, epsilon_from_history, pld_epsilon
+from dpadapter.stages import finetune, pretrain
+
+
+@pytest.fixture
+def scratch_ckpt(tiny_cfg, tmp_path):
+    pretrain.run(tiny_cfg, "scratch", tmp_path / "pre", None)
+    return tmp_path / "pre" / "model.pt"
+
+
+def _run(cfg, ckpt, out, eps=2.0, seed=0):
+    return finetune.run(cfg, "scratch", "syn-shift", "dpsgd", eps, seed, ckpt, out)
+
+
+def test_metrics_json_privacy_block_is_recomputable(tiny_cfg, scratch_ckpt, tmp_path):
+    _run(tiny_cfg, scratch_ckpt, tmp_path / "ft")
+    m = json.loads((tmp_path / "ft" / "metrics.json").read_text())
+    p = m["privacy"]
+    assert p["mechanism"] == "gaussian" and p["sampling"] == "poisson"
+    assert p["target_epsilon"] == 2.0 and p["delta"] == 1e-5
+    hist = [Segment(**s) for s in p["history"]]
+    q = tiny_cfg.finetune.batch_size / 400
+    assert sum(s.steps for s in hist) == p["steps"] == tiny_cfg.finetune.epochs * int(1 / q)
+    assert all(s.sample_rate == q for s in hist)
+    # the reported epsilon is exactly what the accountant gives for the recorded history ...
+    assert p["epsilon"] == pytest.approx(epsilon_from_history(hist, p["delta"], p["accountant"]), rel=1e-9)
+    # ... an upper bound close to an independent PLD recomputation, and within the target
+    pld = pld_epsilon(hist, p["delta"])
+    assert pld <= p["epsilon"] <= 1.02 * pld
+    assert p["epsilon"] <= p["target_epsilon"]
+    assert 0.0 <= m["test_accuracy"] <= 1.0 and 0.0 <= m["test_robust_accuracy"] <= 1.0
+    assert [e["epoch"] for e in m["epochs"]] == list(range(1, tiny_cfg.finetune.epochs + 1))
+    assert m["epochs"][-1]["epsilon_spent"] == pytest.approx(p["epsilon"])
+    assert m["hyperparameters"]["noise_multiplier"] == hist[0].noise_multiplier
+
+
+def test_runs_are_reproducible_and_seed_dependent(tiny_cfg, scratch_ckpt, tmp_path):
+    a = _run(tiny_cfg, scratch_ckpt, tmp_path / "a")
+    b = _run(tiny_cfg, scratch_ckpt, tmp_path / "b")
+    c = _run(tiny_cfg, scratch_ckpt, tmp_path / "c", seed=1)
+    wa, wb, wc = (torch.load(tmp_path / d / "model.pt")["state_dict"] for d in "abc")
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert not all(torch.equal(wa[k], wc[k]) for k in wa)
+    assert a["test_accuracy"] == b["test_accuracy"]
+
+
+def test_interrupted_run_resumes_to_the_same_result(tiny_cfg, scratch_ckpt, tmp_path, monkeypatch):
+    full = _run(tiny_cfg, scratch_ckpt, tmp_path / "full")
+    w_full = torch.load(tmp_path / "full" / "model.pt")["state_dict"]
+
+    # Kill the job right after the first epoch's state is written (as SIGKILL would).
+    real = finetune._save_atomic
+    calls = {"n": 0}
+
+    def save_then_die(obj, path):
+        real(obj, path)
+        calls["n"] += 1
+        raise KeyboardInterrupt("killed")
+
+    monkeypatch.setattr(finetune, "_save_atomic", save_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        _run(tiny_cfg, scratch_ckpt, tmp_path / "resumed")
+    assert calls["n"] == 1 and not (tmp_path / "resumed" / "metrics.json").exists()
+    state = finetune.resume_path(tiny_cfg, {"upstream": "scratch", "task": "syn-shift", "algo": "dpsgd", "eps": "2", "seed": "0"})
+    assert state.is_file()
+    monkeypatch.setattr(finetune, "_save_atomic", real)
+
+    resumed = _run(tiny_cfg, scratch_ckpt, tmp_path / "resumed")
+    assert resumed["resumed_from_epoch"] == 1
+    assert resumed["privacy"]["steps"] == full["privacy"]["steps"]
+    assert resumed["privacy"]["epsilon"] == pytest.approx(full["privacy"]["epsilon"], rel=1e-12)
+    assert resumed["privacy"]["history"] == full["privacy"]["history"]
+    w_res = torch.load(tmp_path / "resumed" / "model.pt")["state_dict"]
+    assert all(torch.allclose(w_full[k], w_res[k], atol=1e-6) for k in w_full)
+    assert not state.exists(), "resume state is removed once the job succeeds"
+
+
+def test_bad_inputs_fail_before_training(tiny_cfg, scratch_ckpt, tmp_path):
+    with pytest.raises(KeyError, match="unknown task"):
+        finetune.run(tiny_cfg, "scratch", "nope", "dpsgd", 1.0, 0, scratch_ckpt, tmp_path / "x")
+    with pytest.raises(FileNotFoundError, match="checkpoint not found"):
+        finetune.run(tiny_cfg, "scratch", "syn-shift", "dpsgd", 1.0, 0, Path("missing.pt"), tmp_path / "x")
+    with pytest.raises(ValueError, match="epsilon"):
+        finetune.run(tiny_cfg, "scratch", "syn-shift", "dpsgd", float("inf"), 0, scratch_ckpt, tmp_path / "x")
