@@ -47,3 +47,19 @@ def test_cli_reports_bad_config_and_exits_2(tmp_path, tiny_raw):
 def test_missing_config_file(tmp_path):
     with pytest.raises(ConfigError, match="not found"):
         load(tmp_path / "nope.yaml")
+
+
+def test_finetune_grid_is_main_product_plus_extra_grids(tiny_raw):
+    tiny_raw["finetune"]["extra_grids"] = [
+        {"upstreams": ["standard"], "tasks": ["syn-shift"], "algorithms": ["dpsgd"], "seeds": [0, 7]}
+    ]
+    grid = from_dict(tiny_raw).finetune_grid()
+    main = {(u, t, "dpsgd", e, 0) for u in ("scratch", "standard") for t in ("syn-same", "syn-shift") for e in (1.0, 4.0)}
+    extra = {("standard", "syn-shift", "dpsgd", e, 7) for e in (1.0, 4.0)}
+    assert set(grid) == main | extra and len(grid) == len(main | extra)
+
+
+def test_extra_grid_names_are_checked(tiny_raw):
+    tiny_raw["finetune"]["extra_grids"] = [{"upstreams": ["sam"], "algorithms": ["dpsgd"]}]
+    with pytest.raises(ConfigError, match=r"extra_grids\.0\.upstreams"):
+        from_dict(tiny_raw)

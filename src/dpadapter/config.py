@@ -77,6 +77,17 @@ class PrivacyConfig:
 
 
 @dataclass(frozen=True)
+class GridConfig:
+    """A sub-grid of fine-tuning jobs; empty fields mean 'as in the main grid'."""
+
+    algorithms: tuple[str, ...]
+    upstreams: tuple[str, ...] = ()
+    tasks: tuple[str, ...] = ()
+    epsilons: tuple[float, ...] = ()
+    seeds: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
 class FinetuneConfig:
     algorithms: tuple[str, ...] = ("dpsgd",)
     epsilons: tuple[float, ...] = (1.0, 4.0)
@@ -88,6 +99,7 @@ class FinetuneConfig:
     max_grad_norm: float = 1.0
     grad_sample_mode: str = "ew"
     physical_batch_size: int | None = None
+    extra_grids: tuple[GridConfig, ...] = ()
     algo_params: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
@@ -115,6 +127,20 @@ class Config:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def finetune_grid(self) -> list[tuple[str, str, str, float, int]]:
+        """Every (upstream, task, algorithm, epsilon, seed) job, main grid first, no duplicates."""
+        ft = self.finetune
+        grids = [GridConfig(ft.algorithms)] + list(ft.extra_grids)
+        jobs: dict[tuple, None] = {}
+        for g in grids:
+            for u in g.upstreams or self.upstreams:
+                for t in g.tasks or tuple(self.tasks):
+                    for a in g.algorithms:
+                        for e in g.epsilons or ft.epsilons:
+                            for s in g.seeds or ft.seeds:
+                                jobs[(u, t, a, float(e), int(s))] = None
+        return list(jobs)
 
 
 def _tuplify(d: dict[str, Any], keys: tuple[str, ...]) -> dict[str, Any]:
@@ -151,6 +177,8 @@ def from_dict(raw: dict[str, Any], validate: bool = True) -> Config:
     ft = _tuplify(ft, ("algorithms", "epsilons", "seeds"))
     if "epsilons" in ft:
         ft["epsilons"] = tuple(float(e) for e in ft["epsilons"])
+    grid_keys = ("algorithms", "upstreams", "tasks", "epsilons", "seeds")
+    ft["extra_grids"] = tuple(GridConfig(**_tuplify(g, grid_keys)) for g in ft.get("extra_grids", ()))
     pre = raw.get("pretrain", {})
     cfg = Config(
         data=DataConfig(**raw.get("data", {})),
@@ -191,6 +219,17 @@ def check_semantics(cfg: Config) -> None:
     for name in cfg.upstream_params:
         if name not in UPSTREAMS:
             problems.append(f"pretrain.params: unknown upstream method {name!r}")
+    for i, g in enumerate(cfg.finetune.extra_grids):
+        where = f"finetune.extra_grids.{i}"
+        for name in g.algorithms:
+            if name not in ALGORITHMS:
+                problems.append(f"{where}.algorithms: unknown algorithm {name!r}")
+        for name in g.upstreams:
+            if name not in cfg.upstreams:
+                problems.append(f"{where}.upstreams: {name!r} is not in pretrain.methods")
+        for name in g.tasks:
+            if name not in cfg.tasks:
+                problems.append(f"{where}.tasks: unknown task {name!r}")
     for name in cfg.finetune.algo_params:
         if name not in ALGORITHMS:
             problems.append(f"finetune.algo_params: unknown algorithm {name!r}")

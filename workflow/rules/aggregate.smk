@@ -1,11 +1,6 @@
-FINETUNE_METRICS = expand(
-    f"{RESULTS}/finetune/{{upstream}}/{{task}}/{{algo}}/eps{{eps}}/seed{{seed}}/metrics.json",
-    upstream=UPSTREAMS,
-    task=TASKS,
-    algo=ALGOS,
-    eps=EPSILONS,
-    seed=SEEDS,
-)
+FINETUNE_METRICS = [
+    f"{RESULTS}/finetune/{u}/{t}/{a}/eps{e:g}/seed{s}/metrics.json" for u, t, a, e, s in CFG.finetune_grid()
+]
 
 
 rule aggregate:

@@ -22,9 +22,6 @@ RESULTS = CFG.results_dir
 PYTHON = sys.executable
 UPSTREAMS = list(CFG.upstreams)
 TASKS = list(CFG.tasks)
-ALGOS = list(CFG.finetune.algorithms)
-EPSILONS = [f"{e:g}" for e in CFG.finetune.epsilons]
-SEEDS = [str(s) for s in CFG.finetune.seeds]
 
 
 def _effective_config() -> str:
