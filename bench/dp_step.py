@@ -63,7 +63,9 @@ def main() -> None:
     print(f"non-private SGD      {1000 * t_sgd:8.1f} ms/step")
     spec = DPRunSpec(1.0, 1e-5, 0.01, 100, 1, BATCH, 1.0)
     for mode in args.modes:
-        m = wrap_model(copy.deepcopy(base), grad_sample_mode=mode, batch_first=True, loss_reduction="mean")
+        m = wrap_model(
+            copy.deepcopy(base), grad_sample_mode=mode, batch_first=True, loss_reduction="mean"
+        )
         algo = ALGORITHMS["dpsgd"](spec, PrivacyLedger(1e-5), torch.Generator().manual_seed(1))
         algo.make_optimizer(torch.optim.SGD(m.parameters(), lr=0.01))
         t = _median_step(lambda m=m, algo=algo: algo.train_step(m, x, y, loss_fn), 3, args.steps)

@@ -39,7 +39,11 @@ def test_cli_reports_bad_config_and_exits_2(tmp_path, tiny_raw):
     tiny_raw["warmup"]["epochs"] = "three"
     p = tmp_path / "bad.yaml"
     p.write_text(yaml.safe_dump(tiny_raw))
-    r = subprocess.run([sys.executable, "-m", "dpadapter", "--config", str(p), "validate"], capture_output=True, text=True)
+    r = subprocess.run(
+        [sys.executable, "-m", "dpadapter", "--config", str(p), "validate"],
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 2
     assert "warmup.epochs" in r.stderr
 
@@ -51,10 +55,20 @@ def test_missing_config_file(tmp_path):
 
 def test_finetune_grid_is_main_product_plus_extra_grids(tiny_raw):
     tiny_raw["finetune"]["extra_grids"] = [
-        {"upstreams": ["standard"], "tasks": ["syn-shift"], "algorithms": ["dpsgd"], "seeds": [0, 7]}
+        {
+            "upstreams": ["standard"],
+            "tasks": ["syn-shift"],
+            "algorithms": ["dpsgd"],
+            "seeds": [0, 7],
+        }
     ]
     grid = from_dict(tiny_raw).finetune_grid()
-    main = {(u, t, "dpsgd", e, 0) for u in ("scratch", "standard") for t in ("syn-same", "syn-shift") for e in (1.0, 4.0)}
+    main = {
+        (u, t, "dpsgd", e, 0)
+        for u in ("scratch", "standard")
+        for t in ("syn-same", "syn-shift")
+        for e in (1.0, 4.0)
+    }
     extra = {("standard", "syn-shift", "dpsgd", e, 7) for e in (1.0, 4.0)}
     assert set(grid) == main | extra and len(grid) == len(main | extra)
 

@@ -58,7 +58,9 @@ def main(argv: list[str] | None = None) -> int:
     elif args.stage == "finetune":
         from dpadapter.stages import finetune
 
-        m = finetune.run(cfg, args.upstream, args.task, args.algo, args.eps, args.seed, args.ckpt, args.out)
+        m = finetune.run(
+            cfg, args.upstream, args.task, args.algo, args.eps, args.seed, args.ckpt, args.out
+        )
         print(f"test accuracy {m['test_accuracy']:.4f}  epsilon {m['privacy']['epsilon']:.3f}")
     elif args.stage == "aggregate":
         from dpadapter.stages import aggregate

@@ -178,7 +178,9 @@ def from_dict(raw: dict[str, Any], validate: bool = True) -> Config:
     if "epsilons" in ft:
         ft["epsilons"] = tuple(float(e) for e in ft["epsilons"])
     grid_keys = ("algorithms", "upstreams", "tasks", "epsilons", "seeds")
-    ft["extra_grids"] = tuple(GridConfig(**_tuplify(g, grid_keys)) for g in ft.get("extra_grids", ()))
+    ft["extra_grids"] = tuple(
+        GridConfig(**_tuplify(g, grid_keys)) for g in ft.get("extra_grids", ())
+    )
     pre = raw.get("pretrain", {})
     cfg = Config(
         data=DataConfig(**raw.get("data", {})),
@@ -207,15 +209,23 @@ def check_semantics(cfg: Config) -> None:
     from dpadapter.upstream import UPSTREAMS
 
     problems = []
-    for where, split in [("public", cfg.public)] + [(f"tasks.{n}", t) for n, t in cfg.tasks.items()]:
+    for where, split in [("public", cfg.public)] + [
+        (f"tasks.{n}", t) for n, t in cfg.tasks.items()
+    ]:
         if split.dataset not in DATASETS:
-            problems.append(f"{where}.dataset: unknown dataset {split.dataset!r}; known: {sorted(DATASETS)}")
+            problems.append(
+                f"{where}.dataset: unknown dataset {split.dataset!r}; known: {sorted(DATASETS)}"
+            )
     for name in cfg.finetune.algorithms:
         if name not in ALGORITHMS:
-            problems.append(f"finetune.algorithms: unknown algorithm {name!r}; known: {sorted(ALGORITHMS)}")
+            problems.append(
+                f"finetune.algorithms: unknown algorithm {name!r}; known: {sorted(ALGORITHMS)}"
+            )
     for name in cfg.upstreams:
         if name not in UPSTREAMS:
-            problems.append(f"pretrain.methods: unknown upstream method {name!r}; known: {sorted(UPSTREAMS)}")
+            problems.append(
+                f"pretrain.methods: unknown upstream method {name!r}; known: {sorted(UPSTREAMS)}"
+            )
     for name in cfg.upstream_params:
         if name not in UPSTREAMS:
             problems.append(f"pretrain.params: unknown upstream method {name!r}")
@@ -234,7 +244,10 @@ def check_semantics(cfg: Config) -> None:
         if name not in ALGORITHMS:
             problems.append(f"finetune.algo_params: unknown algorithm {name!r}")
     if not cfg.model.name.startswith("timm:") and cfg.model.name not in MODEL_NAMES:
-        problems.append(f"model.name: unknown model {cfg.model.name!r}; known: {sorted(MODEL_NAMES)} or 'timm:<name>'")
+        problems.append(
+            f"model.name: unknown model {cfg.model.name!r}; "
+            f"known: {sorted(MODEL_NAMES)} or 'timm:<name>'"
+        )
     if not 0 < cfg.privacy.delta < 1:
         problems.append("privacy.delta: must be in (0, 1)")
     if problems:
@@ -247,7 +260,11 @@ def load(path: str | Path, overrides: dict[str, Any] | None = None) -> Config:
         raise ConfigError(f"config file not found: {p}")
     try:
         # JSON first: PyYAML reads JSON's 1e-05 as a string (YAML 1.1 floats need a dot).
-        raw = json.loads(p.read_text()) if p.suffix == ".json" else (yaml.safe_load(p.read_text()) or {})
+        raw = (
+            json.loads(p.read_text())
+            if p.suffix == ".json"
+            else (yaml.safe_load(p.read_text()) or {})
+        )
     except (yaml.YAMLError, json.JSONDecodeError) as exc:
         raise ConfigError(f"{p}: not valid YAML: {exc}") from exc
     if overrides:

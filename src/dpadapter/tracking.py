@@ -88,7 +88,11 @@ class Run:
             self._mlflow.log_params(dict(items[i : i + 100]))
 
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
-        clean = {k: float(v) for k, v in _flatten(metrics).items() if isinstance(v, int | float) and not isinstance(v, bool)}
+        clean = {
+            k: float(v)
+            for k, v in _flatten(metrics).items()
+            if isinstance(v, int | float) and not isinstance(v, bool)
+        }
         if clean:
             self._mlflow.log_metrics(clean, step=step)
 
@@ -97,7 +101,9 @@ class Run:
 
 
 @contextlib.contextmanager
-def start_run(cfg: TrackingConfig, run_name: str, tags: dict[str, str], run_id: str | None = None) -> Iterator[Run]:
+def start_run(
+    cfg: TrackingConfig, run_name: str, tags: dict[str, str], run_id: str | None = None
+) -> Iterator[Run]:
     """A new run, or the run of an interrupted job being resumed (its metrics continue)."""
     import mlflow
 

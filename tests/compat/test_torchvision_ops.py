@@ -13,7 +13,9 @@ def test_plain_import_of_timm_fails_without_the_shim_and_works_with_it():
     # cannot load; on a matching build both imports succeed and the shim does nothing).
     plain = subprocess.run([sys.executable, "-c", "import timm"], capture_output=True, text=True)
     fixed = subprocess.run(
-        [sys.executable, "-c", "import dpadapter, timm; print(timm.__version__)"], capture_output=True, text=True
+        [sys.executable, "-c", "import dpadapter, timm; print(timm.__version__)"],
+        capture_output=True,
+        text=True,
     )
     assert fixed.returncode == 0, fixed.stderr
     if ensure_torchvision_importable():

@@ -45,7 +45,10 @@ def test_missing_files_give_a_clear_error_naming_them(tmp_path):
     assert "train-images-idx3-ubyte" in msg and "dataset-fashion-mnist" in msg
 
 
-@pytest.mark.parametrize("name,file", [("cifar10", "cifar-10-batches-py"), ("svhn", "train_32x32.mat"), ("stl10", "stl10_binary")])
+@pytest.mark.parametrize(
+    "name,file",
+    [("cifar10", "cifar-10-batches-py"), ("svhn", "train_32x32.mat"), ("stl10", "stl10_binary")],
+)
 def test_torchvision_sets_offline_name_their_files(tmp_path, name, file):
     with pytest.raises(DatasetUnavailable, match=file):
         load_dataset(name, tmp_path / "data", download=False)

@@ -23,7 +23,9 @@ def test_models_pass_opacus_validation_and_swap_heads(name):
 
 def test_resnet20_has_twenty_weight_layers():
     m = create_model(ModelConfig("resnet20-gn", 16, 16), 10, 3, seed=0)
-    convs = [mod for mod in m.modules() if isinstance(mod, torch.nn.Conv2d) and mod.kernel_size == (3, 3)]
+    convs = [
+        mod for mod in m.modules() if isinstance(mod, torch.nn.Conv2d) and mod.kernel_size == (3, 3)
+    ]
     linears = [mod for mod in m.modules() if isinstance(mod, torch.nn.Linear)]
     assert len(convs) + len(linears) == 20
 

@@ -2,7 +2,13 @@ import math
 
 import pytest
 
-from dpadapter.privacy import PrivacyLedger, Segment, calibrate_sigma, epsilon_from_history, pld_epsilon
+from dpadapter.privacy import (
+    PrivacyLedger,
+    Segment,
+    calibrate_sigma,
+    epsilon_from_history,
+    pld_epsilon,
+)
 
 
 @pytest.mark.parametrize("eps,q,steps", [(1.0, 0.1, 60), (4.0, 0.025, 200)])

@@ -31,7 +31,9 @@ def test_metrics_json_privacy_block_is_recomputable(tiny_cfg, scratch_ckpt, tmp_
     assert sum(s.steps for s in hist) == p["steps"] == tiny_cfg.finetune.epochs * int(1 / q)
     assert all(s.sample_rate == q for s in hist)
     # the reported epsilon is exactly what the accountant gives for the recorded history ...
-    assert p["epsilon"] == pytest.approx(epsilon_from_history(hist, p["delta"], p["accountant"]), rel=1e-9)
+    assert p["epsilon"] == pytest.approx(
+        epsilon_from_history(hist, p["delta"], p["accountant"]), rel=1e-9
+    )
     # ... an upper bound close to an independent PLD recomputation, and within the target
     pld = pld_epsilon(hist, p["delta"])
     assert pld <= p["epsilon"] <= 1.02 * pld
@@ -45,7 +47,7 @@ def test_metrics_json_privacy_block_is_recomputable(tiny_cfg, scratch_ckpt, tmp_
 def test_runs_are_reproducible_and_seed_dependent(tiny_cfg, scratch_ckpt, tmp_path):
     a = _run(tiny_cfg, scratch_ckpt, tmp_path / "a")
     b = _run(tiny_cfg, scratch_ckpt, tmp_path / "b")
-    c = _run(tiny_cfg, scratch_ckpt, tmp_path / "c", seed=1)
+    _run(tiny_cfg, scratch_ckpt, tmp_path / "c", seed=1)
     wa, wb, wc = (torch.load(tmp_path / d / "model.pt")["state_dict"] for d in "abc")
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
     assert not all(torch.equal(wa[k], wc[k]) for k in wa)
@@ -69,7 +71,10 @@ def test_interrupted_run_resumes_to_the_same_result(tiny_cfg, scratch_ckpt, tmp_
     with pytest.raises(KeyboardInterrupt):
         _run(tiny_cfg, scratch_ckpt, tmp_path / "resumed")
     assert calls["n"] == 1 and not (tmp_path / "resumed" / "metrics.json").exists()
-    state = finetune.resume_path(tiny_cfg, {"upstream": "scratch", "task": "syn-shift", "algo": "dpsgd", "eps": "2", "seed": "0"})
+    state = finetune.resume_path(
+        tiny_cfg,
+        {"upstream": "scratch", "task": "syn-shift", "algo": "dpsgd", "eps": "2", "seed": "0"},
+    )
     assert state.is_file()
     monkeypatch.setattr(finetune, "_save_atomic", real)
 
@@ -87,6 +92,10 @@ def test_bad_inputs_fail_before_training(tiny_cfg, scratch_ckpt, tmp_path):
     with pytest.raises(KeyError, match="unknown task"):
         finetune.run(tiny_cfg, "scratch", "nope", "dpsgd", 1.0, 0, scratch_ckpt, tmp_path / "x")
     with pytest.raises(FileNotFoundError, match="checkpoint not found"):
-        finetune.run(tiny_cfg, "scratch", "syn-shift", "dpsgd", 1.0, 0, Path("missing.pt"), tmp_path / "x")
+        finetune.run(
+            tiny_cfg, "scratch", "syn-shift", "dpsgd", 1.0, 0, Path("missing.pt"), tmp_path / "x"
+        )
     with pytest.raises(ValueError, match="epsilon"):
-        finetune.run(tiny_cfg, "scratch", "syn-shift", "dpsgd", float("inf"), 0, scratch_ckpt, tmp_path / "x")
+        finetune.run(
+            tiny_cfg, "scratch", "syn-shift", "dpsgd", float("inf"), 0, scratch_ckpt, tmp_path / "x"
+        )

@@ -19,11 +19,26 @@ def _workdir(tmp_path: Path, raw: dict) -> Path:
     return tmp_path
 
 
-def _snakemake(workdir: Path, *args: str, env_extra: dict | None = None) -> subprocess.CompletedProcess:
+def _snakemake(
+    workdir: Path, *args: str, env_extra: dict | None = None
+) -> subprocess.CompletedProcess:
     import os
 
-    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{workdir / 'mlruns.db'}", **(env_extra or {})}
-    cmd = [*SNAKEMAKE, "--snakefile", str(REPO / "Snakefile"), "--directory", str(workdir), "--cores", "2", *args]
+    env = {
+        **os.environ,
+        "MLFLOW_TRACKING_URI": f"sqlite:///{workdir / 'mlruns.db'}",
+        **(env_extra or {}),
+    }
+    cmd = [
+        *SNAKEMAKE,
+        "--snakefile",
+        str(REPO / "Snakefile"),
+        "--directory",
+        str(workdir),
+        "--cores",
+        "2",
+        *args,
+    ]
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
 
 
@@ -33,9 +48,22 @@ def test_pipeline_end_to_end_on_tiny_config(tmp_path, tiny_raw):
     r = _snakemake(wd)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = list(csv.DictReader(open(wd / "results/summary/finetune.csv")))
-    assert list(rows[0])[:7] == ["upstream", "task", "algorithm", "epsilon", "mean_accuracy", "std_accuracy", "n_seeds"]
+    assert list(rows[0])[:7] == [
+        "upstream",
+        "task",
+        "algorithm",
+        "epsilon",
+        "mean_accuracy",
+        "std_accuracy",
+        "n_seeds",
+    ]
     got = {(r["upstream"], r["task"], r["algorithm"], r["epsilon"]) for r in rows}
-    want = {(u, t, "dpsgd", e) for u in ("scratch", "standard") for t in ("syn-same", "syn-shift") for e in ("1", "4")}
+    want = {
+        (u, t, "dpsgd", e)
+        for u in ("scratch", "standard")
+        for t in ("syn-same", "syn-shift")
+        for e in ("1", "4")
+    }
     assert got == want
     for r in rows:
         assert r["n_seeds"] == "1" and 0 <= float(r["mean_accuracy"]) <= 1
@@ -47,7 +75,11 @@ def test_pipeline_end_to_end_on_tiny_config(tmp_path, tiny_raw):
     mlflow.set_tracking_uri(f"sqlite:///{wd / 'mlruns.db'}")
     runs = mlflow.search_runs(experiment_names=["tests"])
     assert len(runs) == 1 + 2 + 8
-    assert sorted(runs["tags.rule"].value_counts().items()) == [("finetune", 8), ("pretrain", 2), ("warmup", 1)]
+    assert sorted(runs["tags.rule"].value_counts().items()) == [
+        ("finetune", 8),
+        ("pretrain", 2),
+        ("warmup", 1),
+    ]
     # each metrics.json epsilon is within its target
     for p in (wd / "results/finetune").rglob("metrics.json"):
         m = json.loads(p.read_text())

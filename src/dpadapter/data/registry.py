@@ -25,7 +25,9 @@ class ArraySplit:
 
     def __post_init__(self) -> None:
         if self.images.ndim != 4 or self.images.shape[0] != self.labels.shape[0]:
-            raise ValueError(f"bad split shapes {tuple(self.images.shape)} / {tuple(self.labels.shape)}")
+            raise ValueError(
+                f"bad split shapes {tuple(self.images.shape)} / {tuple(self.labels.shape)}"
+            )
 
     def __len__(self) -> int:
         return int(self.labels.shape[0])
@@ -48,7 +50,9 @@ def register_dataset(name: str) -> Callable[[Loader], Loader]:
     return deco
 
 
-def load_dataset(name: str, root: str | Path, download: bool = False) -> tuple[ArraySplit, ArraySplit]:
+def load_dataset(
+    name: str, root: str | Path, download: bool = False
+) -> tuple[ArraySplit, ArraySplit]:
     try:
         loader = DATASETS[name]
     except KeyError:

@@ -43,7 +43,9 @@ def _missing(name: str, root: Path, files: list[str], hint: str) -> DatasetUnava
     )
 
 
-def prepare_fashion_mnist(root: Path, download: bool, debian_dir: Path = DEBIAN_FASHION_MNIST) -> Path:
+def prepare_fashion_mnist(
+    root: Path, download: bool, debian_dir: Path = DEBIAN_FASHION_MNIST
+) -> Path:
     """Put the raw idx files where torchvision looks (`<root>/FashionMNIST/raw/`)."""
     raw = root / "FashionMNIST" / "raw"
     missing = [f for f in _FMNIST_FILES if not (raw / f).is_file()]
@@ -77,14 +79,18 @@ def fashion_mnist(root: Path, download: bool) -> tuple[ArraySplit, ArraySplit]:
     return out[0], out[1]
 
 
-def _torchvision_pair(name, cls_name, root, download, files, kw_train, kw_test, label_attr, channels_last):
+def _torchvision_pair(
+    name, cls_name, root, download, files, kw_train, kw_test, label_attr, channels_last
+):
     tv = import_torchvision()
     cls = getattr(tv.datasets, cls_name)
     try:
         tr = cls(str(root), download=download, **kw_train)
         te = cls(str(root), download=download, **kw_test)
     except RuntimeError as exc:  # torchvision: "Dataset not found or corrupted"
-        raise _missing(name, root, files, f"set data.download: true where there is internet ({exc})") from exc
+        raise _missing(
+            name, root, files, f"set data.download: true where there is internet ({exc})"
+        ) from exc
     except OSError as exc:  # download failed (no network)
         raise _missing(name, root, files, f"download failed: {exc}") from exc
     return (
@@ -96,32 +102,60 @@ def _torchvision_pair(name, cls_name, root, download, files, kw_train, kw_test, 
 @register_dataset("cifar10")
 def cifar10(root: Path, download: bool):
     return _torchvision_pair(
-        "cifar10", "CIFAR10", root, download, ["cifar-10-batches-py/"],
-        {"train": True}, {"train": False}, "targets", True,
+        "cifar10",
+        "CIFAR10",
+        root,
+        download,
+        ["cifar-10-batches-py/"],
+        {"train": True},
+        {"train": False},
+        "targets",
+        True,
     )
 
 
 @register_dataset("cifar100")
 def cifar100(root: Path, download: bool):
     return _torchvision_pair(
-        "cifar100", "CIFAR100", root, download, ["cifar-100-python/"],
-        {"train": True}, {"train": False}, "targets", True,
+        "cifar100",
+        "CIFAR100",
+        root,
+        download,
+        ["cifar-100-python/"],
+        {"train": True},
+        {"train": False},
+        "targets",
+        True,
     )
 
 
 @register_dataset("svhn")
 def svhn(root: Path, download: bool):
     return _torchvision_pair(
-        "svhn", "SVHN", root, download, ["train_32x32.mat", "test_32x32.mat"],
-        {"split": "train"}, {"split": "test"}, "labels", False,
+        "svhn",
+        "SVHN",
+        root,
+        download,
+        ["train_32x32.mat", "test_32x32.mat"],
+        {"split": "train"},
+        {"split": "test"},
+        "labels",
+        False,
     )
 
 
 @register_dataset("stl10")
 def stl10(root: Path, download: bool):
     return _torchvision_pair(
-        "stl10", "STL10", root, download, ["stl10_binary/"],
-        {"split": "train"}, {"split": "test"}, "labels", False,
+        "stl10",
+        "STL10",
+        root,
+        download,
+        ["stl10_binary/"],
+        {"split": "train"},
+        {"split": "test"},
+        "labels",
+        False,
     )
 
 

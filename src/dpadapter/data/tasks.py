@@ -62,7 +62,9 @@ def _take(pool_labels, free, classes, n, perm, what):
     if n is None:
         n = int(order.numel())
     if n > order.numel():
-        raise SplitError(f"{what}: asks for {n} examples of classes {list(classes)}, only {order.numel()} left")
+        raise SplitError(
+            f"{what}: asks for {n} examples of classes {list(classes)}, only {order.numel()} left"
+        )
     chosen = order[:n]
     free[chosen] = False
     return chosen
@@ -80,16 +82,22 @@ def allocate(cfg: Config, pools: dict[str, tuple[ArraySplit, ArraySplit]]) -> di
             key = (sc.dataset, which)
             if key not in free:
                 free[key] = torch.ones(len(pool), dtype=torch.bool)
-                g = torch.Generator().manual_seed(cfg.data.split_seed * 1_000_003 + (which == "test"))
+                g = torch.Generator().manual_seed(
+                    cfg.data.split_seed * 1_000_003 + (which == "test")
+                )
                 perms[key] = torch.randperm(len(pool), generator=g)
         tr_key, te_key = (sc.dataset, "train"), (sc.dataset, "test")
         n_fit = None if sc.n_train is None else sc.n_train + sc.n_val
-        fit = _take(train_pool.labels, free[tr_key], classes, n_fit, perms[tr_key], f"{name} (train+val)")
+        fit = _take(
+            train_pool.labels, free[tr_key], classes, n_fit, perms[tr_key], f"{name} (train+val)"
+        )
         if sc.n_train is None and sc.n_val:
             if fit.numel() <= sc.n_val:
                 raise SplitError(f"{name}: n_val={sc.n_val} leaves no training examples")
         val, train = fit[: sc.n_val], fit[sc.n_val :]
-        test = _take(test_pool.labels, free[te_key], classes, sc.n_test, perms[te_key], f"{name} (test)")
+        test = _take(
+            test_pool.labels, free[te_key], classes, sc.n_test, perms[te_key], f"{name} (test)"
+        )
         out[name] = Allocation(sc.dataset, tuple(classes), train, val, test)
     return out
 
@@ -113,7 +121,9 @@ def load_pools(cfg: Config) -> dict[str, tuple[ArraySplit, ArraySplit]]:
     return {n: load_dataset(n, cfg.data.root, cfg.data.download) for n in sorted(names)}
 
 
-def build_splits(cfg: Config, roles: list[str] | None = None) -> tuple[SplitPlan, dict[str, RoleData]]:
+def build_splits(
+    cfg: Config, roles: list[str] | None = None
+) -> tuple[SplitPlan, dict[str, RoleData]]:
     """Allocate every role, then materialise normalised tensors for the requested ones."""
     pools = load_pools(cfg)
     allocs = allocate(cfg, pools)

@@ -21,12 +21,16 @@ def create_model(cfg: ModelConfig, num_classes: int, in_chans: int, seed: int) -
         import timm
         from opacus.validators import ModuleValidator
 
-        model = timm.create_model(cfg.name[5:], pretrained=False, num_classes=num_classes, in_chans=in_chans)
+        model = timm.create_model(
+            cfg.name[5:], pretrained=False, num_classes=num_classes, in_chans=in_chans
+        )
         return ModuleValidator.fix(model)
     try:
         cls = MODEL_NAMES[cfg.name]
     except KeyError:
-        raise KeyError(f"unknown model {cfg.name!r}; known: {sorted(MODEL_NAMES)} or timm:<name>") from None
+        raise KeyError(
+            f"unknown model {cfg.name!r}; known: {sorted(MODEL_NAMES)} or timm:<name>"
+        ) from None
     return cls(num_classes=num_classes, in_chans=in_chans, groups=cfg.groups, width=cfg.width)
 
 

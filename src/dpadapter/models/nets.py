@@ -31,7 +31,8 @@ class BasicBlock(nn.Module):
         self.shortcut: nn.Module = nn.Identity()
         if stride != 1 or c_in != c_out:
             self.shortcut = nn.Sequential(
-                nn.Conv2d(c_in, c_out, 1, stride, bias=False), nn.GroupNorm(min(groups, c_out), c_out)
+                nn.Conv2d(c_in, c_out, 1, stride, bias=False),
+                nn.GroupNorm(min(groups, c_out), c_out),
             )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -72,7 +73,12 @@ class SmallCNN(_HeadMixin, nn.Module):
         widths = (width // 2, width, 2 * width)
         blocks, c = [], in_chans
         for w in widths:
-            blocks += [nn.Conv2d(c, w, 3, 1, 1), nn.GroupNorm(min(groups, w), w), nn.ReLU(), nn.MaxPool2d(2)]
+            blocks += [
+                nn.Conv2d(c, w, 3, 1, 1),
+                nn.GroupNorm(min(groups, w), w),
+                nn.ReLU(),
+                nn.MaxPool2d(2),
+            ]
             c = w
         self.features = nn.Sequential(*blocks)
         self.pool = nn.AdaptiveAvgPool2d(1)

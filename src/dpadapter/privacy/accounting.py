@@ -94,7 +94,9 @@ def _write_cache(path: Path, key: str, sigma: float) -> None:
         os.replace(tmp, path)
 
 
-def _calibrate(target_epsilon: float, delta: float, sample_rate: float, steps: int, accountant: str) -> float:
+def _calibrate(
+    target_epsilon: float, delta: float, sample_rate: float, steps: int, accountant: str
+) -> float:
     from opacus.accountants.utils import get_noise_multiplier
 
     kwargs: dict[str, Any] = {"epsilon_tolerance": 0.005}
@@ -119,7 +121,9 @@ def pld_epsilon(history: list[Segment], delta: float, discretization: float = 1e
     for s in history:
         if s.steps <= 0:
             continue
-        event = dp_accounting.PoissonSampledDpEvent(s.sample_rate, dp_accounting.GaussianDpEvent(s.noise_multiplier))
+        event = dp_accounting.PoissonSampledDpEvent(
+            s.sample_rate, dp_accounting.GaussianDpEvent(s.noise_multiplier)
+        )
         acc.compose(event, s.steps)
     return float(acc.get_epsilon(delta))
 
@@ -148,7 +152,11 @@ class PrivacyLedger:
         return epsilon_from_history(self.history, self.delta, self.accountant)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"delta": self.delta, "accountant": self.accountant, "history": [asdict(s) for s in self.history]}
+        return {
+            "delta": self.delta,
+            "accountant": self.accountant,
+            "history": [asdict(s) for s in self.history],
+        }
 
     @classmethod
     def from_state_dict(cls, d: dict[str, Any]) -> PrivacyLedger:

@@ -8,8 +8,17 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
-COLUMNS = ["upstream", "task", "algorithm", "epsilon", "mean_accuracy", "std_accuracy", "n_seeds",
-           "mean_robust_accuracy", "mean_epsilon_spent"]
+COLUMNS = [
+    "upstream",
+    "task",
+    "algorithm",
+    "epsilon",
+    "mean_accuracy",
+    "std_accuracy",
+    "n_seeds",
+    "mean_robust_accuracy",
+    "mean_epsilon_spent",
+]
 
 
 def collect(paths: list[Path]) -> list[dict]:
@@ -43,21 +52,36 @@ def write_csv(rows: list[dict], path: Path) -> None:
         w = csv.DictWriter(fh, fieldnames=COLUMNS)
         w.writeheader()
         for r in rows:
-            w.writerow({k: (f"{v:.4f}" if isinstance(v, float) and k != "epsilon" else (f"{v:g}" if k == "epsilon" else v)) for k, v in r.items()})
+            w.writerow(
+                {
+                    k: (
+                        f"{v:.4f}"
+                        if isinstance(v, float) and k != "epsilon"
+                        else (f"{v:g}" if k == "epsilon" else v)
+                    )
+                    for k, v in r.items()
+                }
+            )
 
 
 def _fmt(mean: float, std: float, n: int) -> str:
     return f"{100 * mean:.1f} ± {100 * std:.1f}" if n > 1 else f"{100 * mean:.1f}"
 
 
-def table1_markdown(rows: list[dict], upstream_order: list[str], pretrain: dict[str, dict] | None = None) -> str:
+def table1_markdown(
+    rows: list[dict], upstream_order: list[str], pretrain: dict[str, dict] | None = None
+) -> str:
     """Rows algorithm x upstream, columns task x epsilon plus the average over tasks."""
     tasks = sorted({r["task"] for r in rows})
     epss = sorted({r["epsilon"] for r in rows})
     algos = list(dict.fromkeys(r["algorithm"] for r in rows))
     ups = [u for u in upstream_order if any(r["upstream"] == u for r in rows)]
     by = {(r["algorithm"], r["upstream"], r["task"], r["epsilon"]): r for r in rows}
-    head = ["Algorithm", "Upstream"] + [f"{t} ε={e:g}" for t in tasks for e in epss] + [f"Average ε={e:g}" for e in epss]
+    head = (
+        ["Algorithm", "Upstream"]
+        + [f"{t} ε={e:g}" for t in tasks for e in epss]
+        + [f"Average ε={e:g}" for e in epss]
+    )
     if pretrain:
         head += ["public acc", "public robust acc"]
     lines = [
@@ -72,10 +96,14 @@ def table1_markdown(rows: list[dict], upstream_order: list[str], pretrain: dict[
             for t in tasks:
                 for e in epss:
                     r = by.get((a, u, t, e))
-                    cells.append(_fmt(r["mean_accuracy"], r["std_accuracy"], r["n_seeds"]) if r else "–")
+                    cells.append(
+                        _fmt(r["mean_accuracy"], r["std_accuracy"], r["n_seeds"]) if r else "–"
+                    )
             for e in epss:
                 vals = [by[(a, u, t, e)]["mean_accuracy"] for t in tasks if (a, u, t, e) in by]
-                cells.append(f"{100 * statistics.fmean(vals):.1f}" if len(vals) == len(tasks) else "–")
+                cells.append(
+                    f"{100 * statistics.fmean(vals):.1f}" if len(vals) == len(tasks) else "–"
+                )
             if pretrain:
                 p = pretrain.get(u, {})
                 cells += [
@@ -84,17 +112,37 @@ def table1_markdown(rows: list[dict], upstream_order: list[str], pretrain: dict[
                 ]
             lines.append(f"| {a} | {u} | " + " | ".join(cells) + " |")
     lines.append("")
-    rob = sorted({(r["algorithm"], r["upstream"]) for r in rows}, key=lambda k: (algos.index(k[0]), ups.index(k[1])))
-    lines += ["Robust test accuracy (%) of the fine-tuned models (Gaussian noise on all weights):", ""]
-    lines.append("| " + " | ".join(["Algorithm", "Upstream"] + [f"{t} ε={e:g}" for t in tasks for e in epss]) + " |")
+    rob = sorted(
+        {(r["algorithm"], r["upstream"]) for r in rows},
+        key=lambda k: (algos.index(k[0]), ups.index(k[1])),
+    )
+    lines += [
+        "Robust test accuracy (%) of the fine-tuned models (Gaussian noise on all weights):",
+        "",
+    ]
+    lines.append(
+        "| "
+        + " | ".join(["Algorithm", "Upstream"] + [f"{t} ε={e:g}" for t in tasks for e in epss])
+        + " |"
+    )
     lines.append("|" + "---|" * (2 + len(tasks) * len(epss)))
     for a, u in rob:
-        cells = [f"{100 * by[(a, u, t, e)]['mean_robust_accuracy']:.1f}" if (a, u, t, e) in by else "–" for t in tasks for e in epss]
+        cells = [
+            f"{100 * by[(a, u, t, e)]['mean_robust_accuracy']:.1f}" if (a, u, t, e) in by else "–"
+            for t in tasks
+            for e in epss
+        ]
         lines.append(f"| {a} | {u} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
-def run(metrics_paths: list[Path], pretrain_paths: list[Path], upstream_order: list[str], csv_out: Path, md_out: Path) -> list[dict]:
+def run(
+    metrics_paths: list[Path],
+    pretrain_paths: list[Path],
+    upstream_order: list[str],
+    csv_out: Path,
+    md_out: Path,
+) -> list[dict]:
     rows = collect(metrics_paths)
     write_csv(rows, csv_out)
     pre = {}

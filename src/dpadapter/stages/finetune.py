@@ -34,7 +34,9 @@ from dpadapter.train.loops import evaluate, progress, robust_accuracy
 def run_spec(cfg: Config, algo: str, eps: float, n_train: int) -> DPRunSpec:
     ft = cfg.finetune
     if ft.batch_size > n_train:
-        raise ValueError(f"finetune.batch_size={ft.batch_size} exceeds the task's {n_train} training examples")
+        raise ValueError(
+            f"finetune.batch_size={ft.batch_size} exceeds the task's {n_train} training examples"
+        )
     q = ft.batch_size / n_train
     return DPRunSpec(
         target_epsilon=eps,
@@ -74,7 +76,12 @@ def dp_train(
     ledger = PrivacyLedger(spec.delta, spec.accountant)
     noise_gen = torch.Generator().manual_seed(10_000 + seed)
     algo = ALGORITHMS[algo_name](spec, ledger, noise_gen)
-    gsm = wrap_model(model, grad_sample_mode=cfg.finetune.grad_sample_mode, batch_first=True, loss_reduction="mean")
+    gsm = wrap_model(
+        model,
+        grad_sample_mode=cfg.finetune.grad_sample_mode,
+        batch_first=True,
+        loss_reduction="mean",
+    )
     base_opt = torch.optim.SGD(gsm.parameters(), lr=cfg.finetune.lr, momentum=cfg.finetune.momentum)
     optimizer = algo.make_optimizer(base_opt)
     sample_gen = torch.Generator().manual_seed(20_000 + seed)
@@ -97,7 +104,9 @@ def dp_train(
         total, n = 0.0, 0
         if cfg.finetune.physical_batch_size:
             ctx = BatchMemoryManager(
-                data_loader=loader, max_physical_batch_size=cfg.finetune.physical_batch_size, optimizer=optimizer
+                data_loader=loader,
+                max_physical_batch_size=cfg.finetune.physical_batch_size,
+                optimizer=optimizer,
             )
         else:
             ctx = _nullctx(loader)
@@ -107,7 +116,11 @@ def dp_train(
                 if len(y):
                     total += loss * len(y)
                     n += len(y)
-        stats = {"train_loss": total / max(1, n), "steps": ledger.steps, "epsilon_spent": ledger.epsilon()}
+        stats = {
+            "train_loss": total / max(1, n),
+            "steps": ledger.steps,
+            "epsilon_spent": ledger.epsilon(),
+        }
         if on_epoch is not None:
             on_epoch(epoch + 1, stats)
         if save_state is not None and epoch + 1 < spec.epochs:
@@ -129,11 +142,18 @@ def dp_train(
 
 
 def resume_path(cfg: Config, wildcards: dict[str, str]) -> Path:
-    """Resume state lives outside the job's declared outputs (Snakemake deletes those on failure)."""
+    """Resume state lives outside the job's outputs (Snakemake deletes those on failure)."""
     w = wildcards
     return (
-        Path(cfg.results_dir) / ".resume" / "finetune" / w["upstream"] / w["task"] / w["algo"]
-        / f"eps{w['eps']}" / f"seed{w['seed']}" / "state.pt"
+        Path(cfg.results_dir)
+        / ".resume"
+        / "finetune"
+        / w["upstream"]
+        / w["task"]
+        / w["algo"]
+        / f"eps{w['eps']}"
+        / f"seed{w['seed']}"
+        / "state.pt"
     )
 
 
@@ -155,7 +175,16 @@ class _nullctx:
         return False
 
 
-def run(cfg: Config, upstream: str, task: str, algo_name: str, eps: float, seed: int, ckpt: Path, out_dir: Path) -> dict:
+def run(
+    cfg: Config,
+    upstream: str,
+    task: str,
+    algo_name: str,
+    eps: float,
+    seed: int,
+    ckpt: Path,
+    out_dir: Path,
+) -> dict:
     if algo_name not in ALGORITHMS:
         raise KeyError(f"unknown algorithm {algo_name!r}; known: {sorted(ALGORITHMS)}")
     if task not in cfg.tasks:
@@ -168,9 +197,19 @@ def run(cfg: Config, upstream: str, task: str, algo_name: str, eps: float, seed:
     model, ckpt_meta = load_model(ckpt)
     replace_head(model, data.num_classes, seed)
     spec = run_spec(cfg, algo_name, eps, len(data.train))
-    wildcards = {"upstream": upstream, "task": task, "algo": algo_name, "eps": f"{eps:g}", "seed": str(seed)}
+    wildcards = {
+        "upstream": upstream,
+        "task": task,
+        "algo": algo_name,
+        "eps": f"{eps:g}",
+        "seed": str(seed),
+    }
     state_file = resume_path(cfg, wildcards)
-    resume = torch.load(state_file, map_location="cpu", weights_only=False) if state_file.is_file() else None
+    resume = (
+        torch.load(state_file, map_location="cpu", weights_only=False)
+        if state_file.is_file()
+        else None
+    )
     identity = repr((spec, cfg.finetune, cfg.privacy, str(ckpt)))
     if resume is not None and resume.get("identity") != identity:
         print(f"warning: ignoring resume state {state_file}: written for another configuration")
@@ -182,18 +221,34 @@ def run(cfg: Config, upstream: str, task: str, algo_name: str, eps: float, seed:
             metrics["resumed_from_epoch"] = resume["epoch"]
 
         def log_epoch(epoch: int, stats: dict) -> None:
-            stats = {**stats, "val_accuracy": evaluate(model, data.val) if len(data.val) else float("nan")}
+            stats = {
+                **stats,
+                "val_accuracy": evaluate(model, data.val) if len(data.val) else float("nan"),
+            }
             run_.log_metrics(stats, step=epoch)
             metrics["epochs"].append({"epoch": epoch, **stats})
 
         def save_state(state: dict) -> None:
             _save_atomic(
-                {**state, "epochs": metrics["epochs"], "mlflow_run_id": run_.run_id, "identity": identity},
+                {
+                    **state,
+                    "epochs": metrics["epochs"],
+                    "mlflow_run_id": run_.run_id,
+                    "identity": identity,
+                },
                 state_file,
             )
 
         algo, ledger = dp_train(
-            model, data.train, algo_name, spec, cfg, seed, on_epoch=log_epoch, resume=resume, save_state=save_state
+            model,
+            data.train,
+            algo_name,
+            spec,
+            cfg,
+            seed,
+            on_epoch=log_epoch,
+            resume=resume,
+            save_state=save_state,
         )
         epsilon = ledger.epsilon()
         if epsilon > eps * 1.001:
@@ -216,7 +271,9 @@ def run(cfg: Config, upstream: str, task: str, algo_name: str, eps: float, seed:
             {
                 "test_accuracy": evaluate(model, data.test),
                 "val_accuracy": evaluate(model, data.val) if len(data.val) else None,
-                "test_robust_accuracy": robust_accuracy(model, data.test, r.noise_std, r.draws, r.seed),
+                "test_robust_accuracy": robust_accuracy(
+                    model, data.test, r.noise_std, r.draws, r.seed
+                ),
                 "robustness": {"noise_std": r.noise_std, "draws": r.draws, "seed": r.seed},
                 "hyperparameters": hyper,
                 "privacy": {
@@ -242,7 +299,13 @@ def run(cfg: Config, upstream: str, task: str, algo_name: str, eps: float, seed:
                 "steps": ledger.steps,
             }
         )
-        save_model(out_dir / "model.pt", model, cfg.model, data.num_classes, ckpt_meta["in_chans"], {"task": task})
+        save_model(
+            out_dir / "model.pt",
+            model,
+            cfg.model,
+            data.num_classes,
+            ckpt_meta["in_chans"],
+            {"task": task},
+        )
     state_file.unlink(missing_ok=True)
     return metrics
-

@@ -31,7 +31,11 @@ def seed_everything(seed: int) -> None:
 
 @contextlib.contextmanager
 def training_job(
-    cfg: Config, stage: str, wildcards: dict[str, str], out_dir: Path, resume_run_id: str | None = None
+    cfg: Config,
+    stage: str,
+    wildcards: dict[str, str],
+    out_dir: Path,
+    resume_run_id: str | None = None,
 ) -> Iterator[tuple[tracking.Run, dict]]:
     """Yield (mlflow run, metrics dict); on success write metrics.json and attach it to the run."""
     torch.set_num_threads(int(os.environ.get("DPADAPTER_THREADS", torch.get_num_threads())))

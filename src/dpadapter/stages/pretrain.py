@@ -18,7 +18,9 @@ def public_report(cfg: Config, model, public: RoleData) -> dict:
     r = cfg.robustness
     return {
         "public_test_accuracy": evaluate(model, public.test),
-        "public_test_robust_accuracy": robust_accuracy(model, public.test, r.noise_std, r.draws, r.seed),
+        "public_test_robust_accuracy": robust_accuracy(
+            model, public.test, r.noise_std, r.draws, r.seed
+        ),
         "robustness": {"noise_std": r.noise_std, "draws": r.draws, "seed": r.seed},
     }
 
@@ -29,7 +31,14 @@ def run(cfg: Config, method_name: str, out_dir: Path, warmup_ckpt: Path | None) 
     plan, roles = build_splits(cfg, ["public"])
     public = roles["public"]
     with training_job(cfg, "pretrain", {"upstream": method_name}, out_dir) as (run_, metrics):
-        run_.log_params({"upstream": method_name, "params": method.params, "model": cfg.model.__dict__, "seed": cfg.seed})
+        run_.log_params(
+            {
+                "upstream": method_name,
+                "params": method.params,
+                "model": cfg.model.__dict__,
+                "seed": cfg.seed,
+            }
+        )
         warm = None
         if method.needs_warmup:
             if warmup_ckpt is None:
@@ -37,12 +46,23 @@ def run(cfg: Config, method_name: str, out_dir: Path, warmup_ckpt: Path | None) 
             warm, _ = load_model(warmup_ckpt)
 
         def log_epoch(epoch: int, stats: dict) -> None:
-            run_.log_metrics({k: v for k, v in stats.items() if isinstance(v, int | float)}, step=epoch)
+            run_.log_metrics(
+                {k: v for k, v in stats.items() if isinstance(v, int | float)}, step=epoch
+            )
 
-        ctx = UpstreamContext(cfg, plan, public if method.needs_public_data else None, warm, cfg.seed, log_epoch)
+        ctx = UpstreamContext(
+            cfg, plan, public if method.needs_public_data else None, warm, cfg.seed, log_epoch
+        )
         model = method.build(ctx)
         metrics.update(public_report(cfg, model, public))
         metrics["hyperparameters"] = {"upstream": method_name, **method.params, "seed": cfg.seed}
         run_.log_metrics({k: v for k, v in metrics.items() if isinstance(v, float)})
-        save_model(out_dir / "model.pt", model, cfg.model, public.num_classes, plan.in_chans, {"upstream": method_name})
+        save_model(
+            out_dir / "model.pt",
+            model,
+            cfg.model,
+            public.num_classes,
+            plan.in_chans,
+            {"upstream": method_name},
+        )
     return metrics

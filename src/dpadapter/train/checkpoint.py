@@ -13,7 +13,14 @@ from dpadapter.config import ModelConfig
 from dpadapter.models import create_model
 
 
-def save_model(path: str | Path, model: nn.Module, model_cfg: ModelConfig, num_classes: int, in_chans: int, meta: dict[str, Any]) -> None:
+def save_model(
+    path: str | Path,
+    model: nn.Module,
+    model_cfg: ModelConfig,
+    num_classes: int,
+    in_chans: int,
+    meta: dict[str, Any],
+) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")
@@ -35,6 +42,8 @@ def load_model(path: str | Path) -> tuple[nn.Module, dict[str, Any]]:
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint not found: {path}")
     ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    model = create_model(ModelConfig(**ckpt["model"]), ckpt["num_classes"], ckpt["in_chans"], seed=0)
+    model = create_model(
+        ModelConfig(**ckpt["model"]), ckpt["num_classes"], ckpt["in_chans"], seed=0
+    )
     model.load_state_dict(ckpt["state_dict"])
     return model, ckpt

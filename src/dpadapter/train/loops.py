@@ -27,13 +27,17 @@ def evaluate(model: nn.Module, data: TensorDataset, batch_size: int = 1000) -> f
     correct = 0
     x_all, y_all = data.tensors
     for i in range(0, len(y_all), batch_size):
-        correct += (model(x_all[i : i + batch_size]).argmax(1) == y_all[i : i + batch_size]).sum().item()
+        correct += (
+            (model(x_all[i : i + batch_size]).argmax(1) == y_all[i : i + batch_size]).sum().item()
+        )
     model.train(was_training)
     return correct / max(1, len(y_all))
 
 
 @torch.no_grad()
-def robust_accuracy(model: nn.Module, data: TensorDataset, noise_std: float, draws: int, seed: int) -> float:
+def robust_accuracy(
+    model: nn.Module, data: TensorDataset, noise_std: float, draws: int, seed: int
+) -> float:
     """Accuracy after i.i.d. N(0, noise_std^2) on every parameter, averaged over seeded draws.
 
     The DPAdapter paper's measure of parameter robustness (Section 2.3). Weights are restored
@@ -58,7 +62,9 @@ def robust_accuracy(model: nn.Module, data: TensorDataset, noise_std: float, dra
     return sum(accs) / len(accs)
 
 
-def standard_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> float:
+def standard_step(
+    model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor
+) -> float:
     opt.zero_grad(set_to_none=True)
     loss = nn.functional.cross_entropy(model(x), y)
     loss.backward()
@@ -67,8 +73,12 @@ def standard_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor,
 
 
 def make_sgd(model: nn.Module, cfg: SGDConfig):
-    opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
-    sched = torch.optim.lr_scheduler.MultiStepLR(opt, milestones=list(cfg.milestones), gamma=cfg.lr_gamma)
+    opt = torch.optim.SGD(
+        model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay
+    )
+    sched = torch.optim.lr_scheduler.MultiStepLR(
+        opt, milestones=list(cfg.milestones), gamma=cfg.lr_gamma
+    )
     return opt, sched
 
 

@@ -49,7 +49,10 @@ class UpstreamMethod:
         params = dict(params or {})
         unknown = set(params) - set(self.default_params())
         if unknown:
-            raise ValueError(f"{self.name}: unknown parameters {sorted(unknown)}; known: {sorted(self.default_params())}")
+            raise ValueError(
+                f"{self.name}: unknown parameters {sorted(unknown)}; "
+                f"known: {sorted(self.default_params())}"
+            )
         self.params = {**self.default_params(), **params}
 
     @classmethod
