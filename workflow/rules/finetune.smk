@@ -1,3 +1,16 @@
+_GRID_KEYS = {"algorithms", "epsilons", "seeds", "extra_grids", "algo_params"}
+
+
+def finetune_fingerprint(wildcards):
+    """Settings one job depends on; the grid's extent (more seeds, another algorithm) is not one."""
+    ft = {k: v for k, v in config.get("finetune", {}).items() if k not in _GRID_KEYS}
+    algo = config.get("finetune", {}).get("algo_params", {}).get(wildcards.algo, {})
+    task = config["tasks"][wildcards.task]
+    return fingerprint("data", "privacy", "robustness", "public") + json.dumps(
+        [ft, algo, task], sort_keys=True
+    )
+
+
 rule finetune:
     """DP fine-tuning of one upstream checkpoint on one private task at one epsilon and seed."""
     input:
@@ -6,8 +19,7 @@ rule finetune:
         metrics=f"{RESULTS}/finetune/{{upstream}}/{{task}}/{{algo}}/eps{{eps}}/seed{{seed}}/metrics.json",
         model=f"{RESULTS}/finetune/{{upstream}}/{{task}}/{{algo}}/eps{{eps}}/seed{{seed}}/model.pt",
     params:
-        fp=lambda wc: fingerprint("data", "finetune", "privacy", "robustness")
-        + json.dumps(config["tasks"][wc.task], sort_keys=True),
+        fp=finetune_fingerprint,
         out=lambda wc, output: str(Path(output.metrics).parent),
     log:
         "logs/finetune/{upstream}/{task}/{algo}/eps{eps}/seed{seed}.log",

@@ -1,6 +1,16 @@
 from dpadapter.upstream import UPSTREAMS as _UPSTREAM_REGISTRY
 
 
+def pretrain_fingerprint(wildcards):
+    """Config a method depends on: shared sections, its own params and those of a matched method."""
+    params = config.get("pretrain", {}).get("params", {})
+    own = params.get(wildcards.upstream, {})
+    matched = params.get(own.get("match", "dpadapter"), {}) if wildcards.upstream == "control" else {}
+    return fingerprint("data", "public", "model", "seed", "robustness") + json.dumps(
+        [own, matched], sort_keys=True
+    )
+
+
 def pretrain_inputs(wildcards):
     """Methods that build on the warm-up get its checkpoint; scratch gets nothing."""
     if _UPSTREAM_REGISTRY[wildcards.upstream].needs_warmup:
@@ -16,8 +26,7 @@ rule pretrain:
         model=f"{RESULTS}/pretrain/{{upstream}}/model.pt",
         metrics=f"{RESULTS}/pretrain/{{upstream}}/metrics.json",
     params:
-        fp=lambda wc: fingerprint("data", "public", "model", "seed", "robustness")
-        + json.dumps(config.get("pretrain", {}).get("params", {}).get(wc.upstream, {}), sort_keys=True),
+        fp=pretrain_fingerprint,
         warmup=lambda wc, input: f"--warmup {input.warmup}" if "warmup" in input.keys() else "",
     log:
         "logs/pretrain/{upstream}.log",
