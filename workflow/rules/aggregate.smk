@@ -20,3 +20,26 @@ rule aggregate:
     shell:
         "{PYTHON} -m dpadapter --config {CONFIG_FILE} aggregate --metrics {input.finetune} "
         "--pretrain {input.pretrain} --csv {output.csv} --md {output.md} > {log} 2>&1"
+
+
+FIGURE_ALGOS = list(dict.fromkeys(a for _, _, a, _, _ in CFG.finetune_grid()))
+
+
+rule figures:
+    """Downstream accuracy against epsilon per upstream method; robust vs plain accuracy (Fig. 6)."""
+    input:
+        csv=f"{RESULTS}/summary/finetune.csv",
+        pretrain=expand(f"{RESULTS}/pretrain/{{upstream}}/metrics.json", upstream=UPSTREAMS),
+    output:
+        expand(f"{RESULTS}/figures/accuracy_vs_epsilon_{{algo}}.{{ext}}", algo=FIGURE_ALGOS, ext=["png", "csv"]),
+        f"{RESULTS}/figures/robustness_vs_accuracy.png",
+        f"{RESULTS}/figures/robustness_vs_accuracy.csv",
+    log:
+        "logs/figures.log",
+    resources:
+        gpu=0,
+        mem_mb=1000,
+        runtime=10,
+    shell:
+        "{PYTHON} -m dpadapter --config {CONFIG_FILE} figures --finetune-csv {input.csv} "
+        "--pretrain {input.pretrain} --out {RESULTS}/figures > {log} 2>&1"

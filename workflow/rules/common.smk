@@ -9,6 +9,7 @@ from pathlib import Path
 from snakemake.exceptions import WorkflowError
 
 from dpadapter.config import ConfigError, from_dict
+from dpadapter.upstream.variants import VARIANT_RE
 
 try:
     CFG = from_dict(config)
@@ -44,7 +45,7 @@ def fingerprint(*keys):
 
 
 wildcard_constraints:
-    upstream="|".join(UPSTREAMS) or "none",
+    upstream=VARIANT_RE,
     task="[a-z0-9][a-z0-9-]*",
     algo="[a-z0-9-]+",
     eps="[0-9]+(\\.[0-9]+)?(e-?[0-9]+)?",

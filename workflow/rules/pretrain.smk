@@ -1,11 +1,13 @@
 from dpadapter.upstream import UPSTREAMS as _UPSTREAM_REGISTRY
+from dpadapter.upstream.variants import parse_variant
 
 
 def pretrain_fingerprint(wildcards):
     """Config a method depends on: shared sections, its own params and those of a matched method."""
     params = config.get("pretrain", {}).get("params", {})
-    own = params.get(wildcards.upstream, {})
-    matched = params.get(own.get("match", "dpadapter"), {}) if wildcards.upstream == "control" else {}
+    base = parse_variant(wildcards.upstream)[0]
+    own = params.get(base, {})
+    matched = params.get(own.get("match", "dpadapter"), {}) if base == "control" else {}
     return fingerprint("data", "public", "model", "seed", "robustness") + json.dumps(
         [own, matched], sort_keys=True
     )
@@ -13,7 +15,7 @@ def pretrain_fingerprint(wildcards):
 
 def pretrain_inputs(wildcards):
     """Methods that build on the warm-up get its checkpoint; scratch gets nothing."""
-    if _UPSTREAM_REGISTRY[wildcards.upstream].needs_warmup:
+    if _UPSTREAM_REGISTRY[parse_variant(wildcards.upstream)[0]].needs_warmup:
         return {"warmup": f"{RESULTS}/warmup/model.pt"}
     return {}
 

@@ -11,6 +11,7 @@ from dpadapter.stages.job import seed_everything, training_job
 from dpadapter.train.checkpoint import load_model, save_model
 from dpadapter.train.loops import evaluate, robust_accuracy
 from dpadapter.upstream import UPSTREAMS, UpstreamContext
+from dpadapter.upstream.variants import parse_variant
 
 
 def public_report(cfg: Config, model, public: RoleData) -> dict:
@@ -26,7 +27,10 @@ def public_report(cfg: Config, model, public: RoleData) -> dict:
 
 
 def run(cfg: Config, method_name: str, out_dir: Path, warmup_ckpt: Path | None) -> dict:
-    method = UPSTREAMS[method_name](cfg.upstream_params.get(method_name))
+    base, overrides = parse_variant(method_name)
+    if base not in UPSTREAMS:
+        raise KeyError(f"unknown upstream method {base!r}; known: {sorted(UPSTREAMS)}")
+    method = UPSTREAMS[base]({**cfg.upstream_params.get(base, {}), **overrides})
     seed_everything(cfg.seed)
     plan, roles = build_splits(cfg, ["public"])
     public = roles["public"]
@@ -55,7 +59,7 @@ def run(cfg: Config, method_name: str, out_dir: Path, warmup_ckpt: Path | None) 
         )
         model = method.build(ctx)
         metrics.update(public_report(cfg, model, public))
-        metrics["hyperparameters"] = {"upstream": method_name, **method.params, "seed": cfg.seed}
+        metrics["hyperparameters"] = {"upstream": base, **method.params, "seed": cfg.seed}
         run_.log_metrics({k: v for k, v in metrics.items() if isinstance(v, float)})
         save_model(
             out_dir / "model.pt",

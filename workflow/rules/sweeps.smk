@@ -1,0 +1,35 @@
+# The paper's gamma sweeps: each method of `sweeps.methods` pre-trained at every gamma (as an
+# upstream variant `method+gamma=g`, through the ordinary pretrain/finetune rules), DPAdapter's
+# variants fine-tuned at one epsilon; figures + CSVs under results/figures/.
+from dpadapter.upstream.variants import format_variant
+
+SWEEP = CFG.sweeps
+SWEEP_UPSTREAMS = [format_variant(m, gamma=g) for m in SWEEP.methods for g in SWEEP.gammas]
+SWEEP_FINETUNE = [
+    f"{RESULTS}/finetune/{format_variant('dpadapter', gamma=g)}/{t}/{SWEEP.algorithm}"
+    f"/eps{SWEEP.epsilon:g}/seed{s}/metrics.json"
+    for g in SWEEP.gammas
+    for t in (SWEEP.tasks or TASKS)
+    for s in SWEEP.seeds
+] if "dpadapter" in SWEEP.methods else []
+
+
+rule sweeps:
+    """Fig. 5 (gamma sweep) and Fig. 6 (SAM vs DPAdapter, + standard) analogues."""
+    input:
+        pretrain=expand(f"{RESULTS}/pretrain/{{u}}/metrics.json", u=SWEEP_UPSTREAMS + ["standard"]),
+        finetune=SWEEP_FINETUNE,
+    output:
+        f"{RESULTS}/figures/gamma_sweep.png",
+        f"{RESULTS}/figures/gamma_sweep.csv",
+        f"{RESULTS}/figures/sam_vs_dpadapter.png",
+        f"{RESULTS}/figures/sam_vs_dpadapter.csv",
+    log:
+        "logs/sweeps.log",
+    resources:
+        gpu=0,
+        mem_mb=1000,
+        runtime=10,
+    shell:
+        "{PYTHON} -m dpadapter --config {CONFIG_FILE} sweep-figures --pretrain {input.pretrain} "
+        "--finetune {input.finetune} --out {RESULTS}/figures > {log} 2>&1"
