@@ -75,7 +75,10 @@ def table1_markdown(
     tasks = sorted({r["task"] for r in rows})
     epss = sorted({r["epsilon"] for r in rows})
     algos = list(dict.fromkeys(r["algorithm"] for r in rows))
-    ups = [u for u in upstream_order if any(r["upstream"] == u for r in rows)]
+    present = list(dict.fromkeys(r["upstream"] for r in rows))
+    ups = [u for u in upstream_order if u in present] + [
+        u for u in present if u not in upstream_order
+    ]
     by = {(r["algorithm"], r["upstream"], r["task"], r["epsilon"]): r for r in rows}
     head = (
         ["Algorithm", "Upstream"]
