@@ -1,18 +1,31 @@
 """Shared DP optimizer: one training step in phases that variants override one at a time.
 
 Phases (each a method):
-- schedule  `noise_multiplier(epoch)`: sigma for the coming epoch (AdpAlloc decays it);
+- schedule  `noise_multiplier(epoch)`: accounted sigma for the coming epoch (AdpAlloc decays it);
 - calibrate `calibrate(...)`: target epsilon -> sigma (schedule-aware variants override);
 - optimizer `make_optimizer(...)`: Opacus DPOptimizer doing the clip and noise phases
   (AdpClip swaps in Opacus' AdaClipDPOptimizer; GEP overrides clip/noise);
-- step      `train_step(...)`: forward/backward/step; ascent variants (DP-SAT) perturb the
-  weights before the gradient and restore them before the update.
+- ascent    `before_gradient(...)`: runs before each physical batch's gradient (DP-SAT perturbs
+  the weights, GEP refreshes its public anchor subspace); `after_release(...)` runs after the
+  noise and before the update (DP-SAT removes the perturbation there);
+- step      `train_step(...)`: forward/backward/step (DP-SAM, with two releases, overrides it).
 Every release goes through `_on_release` (Opacus' step hook, called only for real, non-skipped
 steps) into the run's PrivacyLedger, so the accountant sees exactly the steps taken.
+
+Accounting convention: a step may answer several Gaussian queries on the same Poisson batch
+(DP-SAM's two gradients, GEP's embedding and residual). The ledger records one Poisson-subsampled
+Gaussian per step whose noise multiplier is that of the joint query on the concatenated,
+sensitivity-normalised vector: `(sum_k (Delta_k / s_k)^2)^(-1/2)` for queries with per-example
+L2 sensitivity Delta_k and noise std s_k. For Gaussian queries this joint mechanism is exact
+(adaptive composition of Gaussians is a Gaussian with the squared inverse multipliers added),
+and Poisson subsampling of it is what the accountant analyses. `releases_per_step` queries at a
+common multiplier s give `s / sqrt(releases_per_step)`. `describe_release` states each query's
+sensitivity and noise, and the privacy test suite checks them against what the code does.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -57,42 +70,112 @@ class DPRunSpec:
         return self.steps_per_epoch * self.epochs
 
 
+@dataclass(frozen=True)
+class Release:
+    """One Gaussian query answered on a step's batch.
+
+    `sensitivity` bounds the L2 norm of one example's contribution to the (summed, unscaled)
+    query and `noise_std` is the std of the Gaussian noise added to it, in the same units.
+    `signal` and `noise` (flattened) are kept only while the algorithm is audited.
+    """
+
+    name: str
+    sensitivity: float
+    noise_std: float
+    signal: torch.Tensor | None = None
+    noise: torch.Tensor | None = None
+
+    @property
+    def inverse_multiplier(self) -> float:
+        """Delta / s: the joint multiplier of a step is (sum of squares of these)^(-1/2)."""
+        if self.noise_std <= 0:
+            return math.inf
+        return self.sensitivity / self.noise_std
+
+
+@dataclass(frozen=True)
+class AuditedStep:
+    """What one ledger record covers: the multiplier recorded and the queries it answers for."""
+
+    recorded_noise_multiplier: float
+    sample_rate: float
+    releases: tuple[Release, ...]
+
+    @property
+    def joint_noise_multiplier(self) -> float:
+        s = sum(r.inverse_multiplier**2 for r in self.releases)
+        return 0.0 if math.isinf(s) else (math.inf if s == 0 else s**-0.5)
+
+
 class DPAlgorithm:
     """DP-SGD (Abadi et al.) with Opacus: per-sample clipping to C, Gaussian noise sigma*C."""
 
     name: ClassVar[str] = "base"
     mechanism_note: ClassVar[str | None] = None
+    # Gaussian queries per step on the same batch, each with the release noise multiplier.
+    releases_per_step: ClassVar[int] = 1
+    # Whether `set_public_data` must be called before `make_optimizer` (GEP's anchors).
+    needs_public_data: ClassVar[bool] = False
 
     def __init__(self, spec: DPRunSpec, ledger: PrivacyLedger, generator: torch.Generator):
         unknown = set(spec.params) - set(self.default_params())
         if unknown:
-            raise ValueError(f"{self.name}: unknown parameters {sorted(unknown)}; known: {sorted(self.default_params())}")
+            raise ValueError(
+                f"{self.name}: unknown parameters {sorted(unknown)}; "
+                f"known: {sorted(self.default_params())}"
+            )
         self.spec = spec
         self.params = {**self.default_params(), **spec.params}
         self.ledger = ledger
         self.generator = generator
         self.sigma = self.calibrate()
         self.optimizer: DPOptimizer | None = None
+        # Audit trail (tests, debugging): set to a list to keep every step's releases.
+        self.audit: list[AuditedStep] | None = None
+        self._pending_releases: list[Release] = []
+        self._logical_batch_open = False
 
     @classmethod
     def default_params(cls) -> dict[str, Any]:
         return {}
 
+    def set_public_data(self, dataset: torch.utils.data.Dataset) -> None:
+        """Public (non-private) examples; only algorithms with `needs_public_data` use them."""
+
     # --- schedule / calibrate phases -------------------------------------------------------
     def calibrate(self) -> float:
+        """Accounted noise multiplier (per step, joint over the step's releases)."""
         s = self.spec
         return calibrate_sigma(
-            s.target_epsilon, s.delta, s.sample_rate, s.total_steps, s.accountant, s.calibration_cache
+            s.target_epsilon,
+            s.delta,
+            s.sample_rate,
+            s.total_steps,
+            s.accountant,
+            s.calibration_cache,
         )
 
     def noise_multiplier(self, epoch: int) -> float:
+        """Accounted sigma of the steps of `epoch`."""
         return self.sigma
+
+    def release_noise_multiplier(self, accounted: float) -> float:
+        """Multiplier of each of the step's queries so that their joint one is `accounted`."""
+        if self.releases_per_step == 1:
+            return accounted
+        return accounted * math.sqrt(self.releases_per_step)
+
+    def accounted_noise_multiplier(self, opt: DPOptimizer) -> float:
+        """What the ledger records for a step made by `opt` (inverse of the above)."""
+        if self.releases_per_step == 1:
+            return opt.noise_multiplier
+        return opt.noise_multiplier / math.sqrt(self.releases_per_step)
 
     # --- optimizer phase (clip + noise) ------------------------------------------------------
     def make_optimizer(self, optimizer: torch.optim.Optimizer) -> DPOptimizer:
         opt = DPOptimizer(
             optimizer,
-            noise_multiplier=self.noise_multiplier(0),
+            noise_multiplier=self.release_noise_multiplier(self.noise_multiplier(0)),
             max_grad_norm=self.spec.max_grad_norm,
             expected_batch_size=self.spec.expected_batch_size,
             loss_reduction="mean",
@@ -106,17 +189,59 @@ class DPAlgorithm:
         return opt
 
     def _on_release(self, opt: DPOptimizer) -> None:
-        self.ledger.record(opt.noise_multiplier, self.spec.sample_rate, 1)
+        sigma = self.accounted_noise_multiplier(opt)
+        self.ledger.record(sigma, self.spec.sample_rate, 1)
+        if self.audit is not None:
+            releases = (*self._pending_releases, *self.describe_release(opt))
+            self.audit.append(AuditedStep(sigma, self.spec.sample_rate, releases))
+        self._pending_releases = []
+        self._logical_batch_open = False
+        self.after_release(opt)
+
+    def describe_release(self, opt: DPOptimizer) -> list[Release]:
+        """The Gaussian queries the optimizer just answered (called from the step hook)."""
+        return [self._gradient_release("gradient", opt, opt.noise_multiplier)]
+
+    def _gradient_release(self, name: str, opt: DPOptimizer, multiplier: float) -> Release:
+        """Opacus' clipped sum (p.summed_grad) and the noise in p.grad, right after scale_grad."""
+        c = float(opt.max_grad_norm)
+        if self.audit is None:
+            return Release(name, c, multiplier * c)
+        scale = opt.expected_batch_size * opt.accumulated_iterations
+        signal = torch.cat([p.summed_grad.reshape(-1) for p in opt.params]).detach().clone()
+        released = torch.cat([p.grad.reshape(-1) * scale for p in opt.params]).detach()
+        return Release(name, c, multiplier * c, signal, released - signal)
+
+    def after_release(self, opt: DPOptimizer) -> None:
+        """After the noise, before the update (the step hook's tail); DP-SAT restores here."""
 
     def start_epoch(self, epoch: int) -> None:
         assert self.optimizer is not None
-        self.optimizer.noise_multiplier = self.noise_multiplier(epoch)
+        self.optimizer.noise_multiplier = self.release_noise_multiplier(
+            self.noise_multiplier(epoch)
+        )
 
     # --- step phase ----------------------------------------------------------------------------
+    def _ends_logical_batch(self) -> bool:
+        """Whether the coming optimizer step releases.
+
+        BatchMemoryManager queues each physical batch's skip flag before yielding the batch, so
+        the head of Opacus' queue belongs to the batch being processed (Opacus has no public
+        accessor for it). Without virtual batches the queue is empty: every step releases.
+        """
+        assert self.optimizer is not None
+        return not self.optimizer._check_skip_next_step(pop_next=False)
+
+    def before_gradient(self, model: nn.Module, loss_fn, first: bool) -> None:
+        """Runs before each physical batch's gradient; `first`: opens a logical batch."""
+
     def train_step(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn) -> float:
         """One physical batch; the optimizer skips the update until the logical batch ends."""
         assert self.optimizer is not None
         self.optimizer.zero_grad(set_to_none=True)
+        first = not self._logical_batch_open
+        self._logical_batch_open = True
+        self.before_gradient(model, loss_fn, first)
         if len(y) == 0:
             return self.empty_step(model)
         loss = loss_fn(model(x), y)
@@ -127,10 +252,14 @@ class DPAlgorithm:
     def empty_step(self, model: nn.Module) -> float:
         """A Poisson batch can be empty: the release still happens (noise only), as accounted."""
         assert self.optimizer is not None
-        for p in self.optimizer.params:
-            p.grad_sample = torch.zeros((0, *p.shape), dtype=p.dtype, device=p.device)
+        self._set_empty_grad_samples()
         self.optimizer.step()
         return 0.0
+
+    def _set_empty_grad_samples(self) -> None:
+        assert self.optimizer is not None
+        for p in self.optimizer.params:
+            p.grad_sample = torch.zeros((0, *p.shape), dtype=p.dtype, device=p.device)
 
     def state_dict(self) -> dict[str, Any]:
         return {"sigma": self.sigma}
@@ -139,5 +268,23 @@ class DPAlgorithm:
         self.sigma = state["sigma"]
 
     def describe(self) -> dict[str, Any]:
-        """Hyperparameters for metrics.json and MLflow."""
-        return {"algorithm": self.name, "noise_multiplier": self.sigma, **self.params}
+        """Hyperparameters for metrics.json and MLflow (`noise_multiplier`: the accounted one)."""
+        out = {"algorithm": self.name, "noise_multiplier": self.sigma, **self.params}
+        if self.releases_per_step > 1:
+            out["release_noise_multiplier"] = self.release_noise_multiplier(self.sigma)
+        return out
+
+
+def param_copies(opt: DPOptimizer) -> list[torch.Tensor]:
+    """Detached copies of the optimizer's parameters, in Opacus' order."""
+    return [p.detach().clone() for p in opt.params]
+
+
+def all_params(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """Every parameter of the optimizer, trained now or not (Opacus' `params` keeps only those
+    with requires_grad, a set that strategies such as UT change between logical batches)."""
+    return [p for group in opt.param_groups for p in group["params"]]
+
+
+def global_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(t) for t in tensors]))
