@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 CORES ?= 2
 CONFIG ?= config.yaml
 
-.PHONY: run test lint bench setup data clean-results
+.PHONY: run sweeps hpo federated test lint bench setup data clean-results
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -25,6 +25,22 @@ data:
 run: setup
 	$(BIN)/snakemake --cores $(CORES) --configfile $(CONFIG) --rerun-incomplete
 	@cat results/summary/finetune.md
+
+# gamma sweeps of SAM and DPAdapter (Figs. 5-6 analogues); not part of `make run`.
+sweeps: setup
+	$(BIN)/snakemake --cores $(CORES) --configfile $(CONFIG) --rerun-incomplete sweeps
+	@ls results/figures/
+
+# Private HPO (linear scaling rule vs. random search vs. grid oracle); not part of `make run`.
+hpo: setup
+	$(BIN)/snakemake --cores $(CORES) --configfile $(CONFIG) --rerun-incomplete hpo
+	@cat results/summary/hpo.md
+
+# DP federated fine-tuning, Pretrain-DPFL (strategies x mechanisms x eps); not part of `make run`.
+federated: setup
+	$(BIN)/snakemake --cores $(CORES) --configfile $(CONFIG) --rerun-incomplete federated
+	@cat results/summary/federated.csv
+	@$(BIN)/python -c "import json; r = json.load(open('results/summary/federated_rule.json')); print(f\"T1 rule: {r['hits']}/{r['n_cells']} cells predicted the HT/FT winner\")"
 
 test: setup
 	$(BIN)/python -m pytest -q

@@ -4,7 +4,9 @@
 #   warmup    standard training on the public set (once, shared by every upstream method)
 #   pretrain  upstream methods from the registry: scratch, standard, ...
 #   finetune  DP fine-tuning over {upstream} x {task} x {algo} x {eps} x {seed}
-#   aggregate results/summary/finetune.{csv,md} (Table 1 layout)
+#   aggregate results/summary/finetune.{csv,md} (Table 1 layout) and results/figures/
+#   sweeps    gamma sweeps of SAM and DPAdapter, Figs. 5-6 (own target: `snakemake sweeps`)
+#   hpo       private HPO, linear scaling rule vs. baselines (own target: `snakemake hpo`)
 
 # --configfile REPLACES the embedded default instead of being merged into it (Snakemake would
 # otherwise merge the two task tables and run both grids).
@@ -18,10 +20,14 @@ include: "workflow/rules/warmup.smk"
 include: "workflow/rules/pretrain.smk"
 include: "workflow/rules/finetune.smk"
 include: "workflow/rules/aggregate.smk"
+include: "workflow/rules/sweeps.smk"
+include: "workflow/rules/hpo.smk"
+include: "workflow/rules/federated.smk"
 
 
 rule all:
     input:
         f"{RESULTS}/summary/finetune.csv",
         f"{RESULTS}/summary/finetune.md",
+        rules.figures.output,
     default_target: True

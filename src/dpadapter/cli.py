@@ -11,6 +11,8 @@ import sys
 from pathlib import Path
 
 from dpadapter.config import ConfigError, load
+from dpadapter.federated.cli import add_parsers as add_federated_parsers
+from dpadapter.hpo.cli import add_parsers as add_hpo_parsers
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,6 +38,16 @@ def main(argv: list[str] | None = None) -> int:
     a.add_argument("--pretrain", nargs="*", default=[], type=Path)
     a.add_argument("--csv", required=True, type=Path)
     a.add_argument("--md", required=True, type=Path)
+    fg = sub.add_parser("figures", help="figures of the main run")
+    fg.add_argument("--finetune-csv", required=True, type=Path)
+    fg.add_argument("--pretrain", nargs="+", required=True, type=Path)
+    fg.add_argument("--out", required=True, type=Path)
+    sw = sub.add_parser("sweep-figures", help="figures of the gamma sweeps")
+    sw.add_argument("--pretrain", nargs="+", required=True, type=Path)
+    sw.add_argument("--finetune", nargs="+", required=True, type=Path)
+    sw.add_argument("--out", required=True, type=Path)
+    add_hpo_parsers(sub.add_parser("hpo", help="private HPO with the linear scaling rule"))
+    add_federated_parsers(sub.add_parser("federated", help="DP federated learning (Pretrain-DPFL)"))
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
 
@@ -66,6 +78,22 @@ def main(argv: list[str] | None = None) -> int:
         from dpadapter.stages import aggregate
 
         aggregate.run(args.metrics, args.pretrain, list(cfg.upstreams), args.csv, args.md)
+    elif args.stage == "figures":
+        from dpadapter.stages import figures
+
+        figures.main_figures(args.finetune_csv, args.pretrain, list(cfg.upstreams), args.out)
+    elif args.stage == "sweep-figures":
+        from dpadapter.stages import figures
+
+        figures.sweep_figures(args.pretrain, args.finetune, args.out)
+    elif args.stage == "hpo":
+        from dpadapter.hpo.cli import run as run_hpo
+
+        run_hpo(cfg, args)
+    elif args.stage == "federated":
+        from dpadapter.federated.cli import run as run_federated
+
+        run_federated(cfg, args)
     return 0
 
 

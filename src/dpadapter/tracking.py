@@ -1,9 +1,15 @@
 """MLflow: one run per training job, safe when many jobs start at once.
 
 The tracking URI is `MLFLOW_TRACKING_URI` if set, else `tracking.uri` from config, else a sqlite
-file in the working directory (the project root under Snakemake). Creating the sqlite schema and
-the experiment happens under a file lock, so parallel jobs never race on them; sqlite writers
-then wait on each other through a busy timeout instead of failing with "database is locked".
+file in the working directory (the project root under Snakemake). On a cluster, point every job
+at a tracking server instead (docs/cluster.md): sqlite over a network file system is not safe.
+
+Concurrency, for the sqlite default: creating the schema (MLflow runs its migrations on first
+use) and the experiment happens under a file lock next to the database, so parallel jobs never
+race on them; sqlite writers then wait on each other through a busy timeout instead of failing
+with "database is locked". For a tracking server no local lock is used (jobs run on different
+nodes): the server serialises writes, and an experiment created by another job between our
+lookup and our create is simply looked up again.
 """
 
 from __future__ import annotations
@@ -19,6 +25,8 @@ from typing import Any
 from dpadapter.config import TrackingConfig
 
 SQLITE_TIMEOUT_S = 60
+# MLflow 3 opens an experiment on its GenAI overview unless told it holds training runs.
+EXPERIMENT_TAGS = {"mlflow.experimentKind": "custom_model_development"}
 
 
 def resolve_uri(cfg: TrackingConfig) -> str:
@@ -30,14 +38,23 @@ def resolve_uri(cfg: TrackingConfig) -> str:
     return uri
 
 
-def _lock_path(uri: str) -> Path:
+def _sqlite_path(uri: str) -> Path | None:
     if uri.startswith("sqlite:///"):
-        return Path(uri[len("sqlite:///") :].split("?", 1)[0] + ".lock")
-    return Path.cwd() / ".mlflow-init.lock"
+        return Path(uri[len("sqlite:///") :].split("?", 1)[0])
+    return None
+
+
+def _lock_path(uri: str) -> Path | None:
+    """The lock file guarding schema and experiment creation (sqlite only)."""
+    db = _sqlite_path(uri)
+    return None if db is None else db.with_name(db.name + ".lock")
 
 
 @contextlib.contextmanager
-def _file_lock(path: Path) -> Iterator[None]:
+def _file_lock(path: Path | None) -> Iterator[None]:
+    if path is None:
+        yield
+        return
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a") as fh:
         fcntl.flock(fh, fcntl.LOCK_EX)
@@ -47,6 +64,25 @@ def _file_lock(path: Path) -> Iterator[None]:
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
+def _get_or_create(name: str) -> str:
+    import mlflow
+    from mlflow.exceptions import MlflowException
+
+    exp = mlflow.get_experiment_by_name(name)
+    if exp is None:
+        try:
+            return mlflow.create_experiment(name, tags=EXPERIMENT_TAGS)
+        except MlflowException:
+            # Another job (on another node, against a server) created it in between.
+            exp = mlflow.get_experiment_by_name(name)
+            if exp is None:
+                raise
+    if exp.lifecycle_stage == "deleted":
+        # Deleted in the UI but still holding the name: runs cannot start in it until restored.
+        mlflow.MlflowClient().restore_experiment(exp.experiment_id)
+    return exp.experiment_id
+
+
 def ensure_experiment(cfg: TrackingConfig) -> str:
     """Create the store and the experiment once (under a lock); return the experiment id."""
     import mlflow
@@ -54,10 +90,7 @@ def ensure_experiment(cfg: TrackingConfig) -> str:
     uri = resolve_uri(cfg)
     mlflow.set_tracking_uri(uri)
     with _file_lock(_lock_path(uri)):
-        exp = mlflow.get_experiment_by_name(cfg.experiment)
-        if exp is None:
-            return mlflow.create_experiment(cfg.experiment)
-        return exp.experiment_id
+        return _get_or_create(cfg.experiment)
 
 
 def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -11,14 +11,19 @@ rule aggregate:
     output:
         csv=f"{RESULTS}/summary/finetune.csv",
         md=f"{RESULTS}/summary/finetune.md",
+    params:
+        python=python_exe,
+        config=config_file,
     log:
         "logs/aggregate.log",
+    conda:
+        "../../envs/pipeline.yaml"
     resources:
         gpu=0,
         mem_mb=1000,
         runtime=10,
     shell:
-        "{PYTHON} -m dpadapter --config {CONFIG_FILE} aggregate --metrics {input.finetune} "
+        "{params.python} -m dpadapter --config {params.config} aggregate --metrics {input.finetune} "
         "--pretrain {input.pretrain} --csv {output.csv} --md {output.md} > {log} 2>&1"
 
 
@@ -34,12 +39,18 @@ rule figures:
         expand(f"{RESULTS}/figures/accuracy_vs_epsilon_{{algo}}.{{ext}}", algo=FIGURE_ALGOS, ext=["png", "csv"]),
         f"{RESULTS}/figures/robustness_vs_accuracy.png",
         f"{RESULTS}/figures/robustness_vs_accuracy.csv",
+    params:
+        python=python_exe,
+        config=config_file,
+        out=out_dir,
     log:
         "logs/figures.log",
+    conda:
+        "../../envs/pipeline.yaml"
     resources:
         gpu=0,
         mem_mb=1000,
         runtime=10,
     shell:
-        "{PYTHON} -m dpadapter --config {CONFIG_FILE} figures --finetune-csv {input.csv} "
-        "--pretrain {input.pretrain} --out {RESULTS}/figures > {log} 2>&1"
+        "{params.python} -m dpadapter --config {params.config} figures --finetune-csv {input.csv} "
+        "--pretrain {input.pretrain} --out {params.out} > {log} 2>&1"

@@ -9,7 +9,8 @@ from pathlib import Path
 from snakemake.exceptions import WorkflowError
 
 from dpadapter.config import ConfigError, from_dict
-from dpadapter.upstream.variants import VARIANT_RE
+from dpadapter.upstream import UPSTREAMS as _UPSTREAM_REGISTRY
+from dpadapter.upstream.variants import VARIANT_RE, parse_variant
 
 try:
     CFG = from_dict(config)
@@ -42,6 +43,67 @@ def fingerprint(*keys):
     """Hash of the config sections a rule depends on; a params change makes Snakemake rerun it."""
     sub = {k: config.get(k) for k in keys}
     return hashlib.sha256(json.dumps(sub, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+# Plumbing every shell command needs, passed as params (the linter wants no globals in shell
+# commands). They are functions of `input`, which keeps them out of Snakemake's params rerun
+# trigger: the interpreter path differs between machines and the content-addressed config file
+# changes with any config section, while what a job depends on is its `fp` param.
+def python_exe(wildcards, input):
+    return PYTHON
+
+
+def config_file(wildcards, input):
+    return CONFIG_FILE
+
+
+def out_dir(wildcards, output):
+    """The folder of a job's first output (the `--out` of every training stage)."""
+    return str(Path(output[0]).parent)
+
+
+# Fingerprints and inputs of the rules, kept here (the linter wants no functions in rule files).
+# A job's fingerprint includes that of the checkpoint it starts from: the checkpoints are read
+# through ancient() (so that `dvc pull` does not make them look outdated), hence a re-trained
+# upstream reaches the jobs built on it through this param, not through file times.
+WARMUP_SECTIONS = ("data", "public", "model", "warmup", "seed", "robustness")
+
+
+def pretrain_fingerprint(wildcards):
+    """Config a method depends on: shared sections, its own params and those of a matched method."""
+    params = config.get("pretrain", {}).get("params", {})
+    base = parse_variant(wildcards.upstream)[0]
+    own = params.get(base, {})
+    matched = params.get(own.get("match", "dpadapter"), {}) if base == "control" else {}
+    fp = fingerprint("data", "public", "model", "seed", "robustness") + json.dumps(
+        [own, matched], sort_keys=True
+    )
+    if _UPSTREAM_REGISTRY[base].needs_warmup:
+        fp += fingerprint(*WARMUP_SECTIONS)
+    return fp
+
+
+def pretrain_inputs(wildcards):
+    """Methods that build on the warm-up get its checkpoint; scratch gets nothing."""
+    if _UPSTREAM_REGISTRY[parse_variant(wildcards.upstream)[0]].needs_warmup:
+        # ancient(): a checkpoint restored by `dvc pull` is newer than what was built from it.
+        return {"warmup": ancient(f"{RESULTS}/warmup/model.pt")}
+    return {}
+
+
+_GRID_KEYS = {"algorithms", "epsilons", "seeds", "extra_grids", "algo_params"}
+
+
+def finetune_fingerprint(wildcards):
+    """Settings one job depends on; the grid's extent (more seeds, another algorithm) is not one."""
+    ft = {k: v for k, v in config.get("finetune", {}).items() if k not in _GRID_KEYS}
+    algo = config.get("finetune", {}).get("algo_params", {}).get(wildcards.algo, {})
+    task = config["tasks"][wildcards.task]
+    return (
+        fingerprint("data", "privacy", "robustness", "public")
+        + json.dumps([ft, algo, task], sort_keys=True)
+        + pretrain_fingerprint(wildcards)
+    )
 
 
 wildcard_constraints:

@@ -6,8 +6,8 @@ from dpadapter.upstream.variants import format_variant
 SWEEP = CFG.sweeps
 SWEEP_UPSTREAMS = [format_variant(m, gamma=g) for m in SWEEP.methods for g in SWEEP.gammas]
 SWEEP_FINETUNE = [
-    f"{RESULTS}/finetune/{format_variant('dpadapter', gamma=g)}/{t}/{SWEEP.algorithm}"
-    f"/eps{SWEEP.epsilon:g}/seed{s}/metrics.json"
+    f"{RESULTS}/finetune/{format_variant('dpadapter', gamma=g)}/{t}/{SWEEP.algorithm}/"
+    f"eps{SWEEP.epsilon:g}/seed{s}/metrics.json"
     for g in SWEEP.gammas
     for t in (SWEEP.tasks or TASKS)
     for s in SWEEP.seeds
@@ -24,12 +24,18 @@ rule sweeps:
         f"{RESULTS}/figures/gamma_sweep.csv",
         f"{RESULTS}/figures/sam_vs_dpadapter.png",
         f"{RESULTS}/figures/sam_vs_dpadapter.csv",
+    params:
+        python=python_exe,
+        config=config_file,
+        out=out_dir,
     log:
         "logs/sweeps.log",
+    conda:
+        "../../envs/pipeline.yaml"
     resources:
         gpu=0,
         mem_mb=1000,
         runtime=10,
     shell:
-        "{PYTHON} -m dpadapter --config {CONFIG_FILE} sweep-figures --pretrain {input.pretrain} "
-        "--finetune {input.finetune} --out {RESULTS}/figures > {log} 2>&1"
+        "{params.python} -m dpadapter --config {params.config} sweep-figures "
+        "--pretrain {input.pretrain} --finetune {input.finetune} --out {params.out} > {log} 2>&1"

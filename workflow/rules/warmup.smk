@@ -4,16 +4,21 @@ rule warmup:
         model=f"{RESULTS}/warmup/model.pt",
         metrics=f"{RESULTS}/warmup/metrics.json",
     params:
-        fp=fingerprint("data", "public", "model", "warmup", "seed", "robustness"),
+        fp=fingerprint(*WARMUP_SECTIONS),
+        python=python_exe,
+        config=config_file,
+        out=out_dir,
     log:
         "logs/warmup.log",
     benchmark:
         "benchmarks/warmup.tsv"
+    conda:
+        "../../envs/pipeline.yaml"
     threads: workflow.cores
     resources:
         gpu=1,
         mem_mb=8000,
         runtime=240,
     shell:
-        "DPADAPTER_THREADS={threads} {PYTHON} -m dpadapter --config {CONFIG_FILE} "
-        "warmup --out {RESULTS}/warmup > {log} 2>&1"
+        "DPADAPTER_THREADS={threads} {params.python} -m dpadapter --config {params.config} "
+        "warmup --out {params.out} > {log} 2>&1"

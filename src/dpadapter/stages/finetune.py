@@ -27,6 +27,7 @@ from dpadapter.data import build_splits
 from dpadapter.models import replace_head
 from dpadapter.privacy import PrivacyLedger
 from dpadapter.stages.job import seed_everything, training_job
+from dpadapter.strategies import Schedule, apply_phase, get_strategy, released_dims
 from dpadapter.train.checkpoint import load_model, save_model
 from dpadapter.train.loops import evaluate, progress, robust_accuracy
 
@@ -62,20 +63,36 @@ def dp_train(
     on_epoch=None,
     resume: dict | None = None,
     save_state=None,
+    max_steps: int | None = None,
+    schedule: Schedule | None = None,
 ):
     """Train `model` in place with the algorithm; return (algorithm, ledger).
+
+    `schedule` (dpadapter.strategies) picks what each step trains, clips and noises: the head
+    only (HT) or every parameter (FT), switching after step T1 for UT. None trains every
+    parameter (full fine-tuning), as before.
+
+    `max_steps` (optional) stops after that many releases, i.e. optimizer steps, mid-epoch if
+    need be: the HPO stages count steps, not epochs, and may run a prefix of a schedule that was
+    calibrated for more steps (a prefix spends at most the target). None runs every epoch.
 
     `resume` is a state written by `save_state` at the end of an earlier epoch: model,
     optimizer (momentum), algorithm state, privacy ledger and every RNG. Restoring all of them
     makes the resumed run take exactly the batches, noise and releases of an uninterrupted one,
     and its ledger keeps the releases made before the interruption.
     """
+    if schedule is not None:
+        apply_phase(model, schedule.phase(0))
     errors = ModuleValidator.validate(model, strict=False)
     if errors:
         raise ValueError(f"model is not DP-compatible: {errors}")
     ledger = PrivacyLedger(spec.delta, spec.accountant)
     noise_gen = torch.Generator().manual_seed(10_000 + seed)
     algo = ALGORITHMS[algo_name](spec, ledger, noise_gen)
+    if algo.needs_public_data:
+        # GEP's anchor subspace comes from public gradients only (no privacy cost).
+        _, public = build_splits(cfg, ["public"])
+        algo.set_public_data(public["public"].train)
     gsm = wrap_model(
         model,
         grad_sample_mode=cfg.finetune.grad_sample_mode,
@@ -97,9 +114,13 @@ def dp_train(
         sample_gen.set_state(resume["sample_rng"])
         torch.set_rng_state(resume["torch_rng"])
         first_epoch = resume["epoch"]
+        if schedule is not None:
+            apply_phase(model, schedule.phase(ledger.steps))
     loss_fn = nn.functional.cross_entropy
     gsm.train()
     for epoch in range(first_epoch, spec.epochs):
+        if max_steps is not None and ledger.steps >= max_steps:
+            break
         algo.start_epoch(epoch)
         total, n = 0.0, 0
         if cfg.finetune.physical_batch_size:
@@ -113,9 +134,13 @@ def dp_train(
         with ctx as batches:
             for x, y in progress(batches, desc=f"{algo_name} epoch {epoch + 1}/{spec.epochs}"):
                 loss = algo.train_step(gsm, x, y, loss_fn)
+                if schedule is not None:
+                    apply_phase(model, schedule.phase(ledger.steps))
                 if len(y):
                     total += loss * len(y)
                     n += len(y)
+                if max_steps is not None and ledger.steps >= max_steps:
+                    break
         stats = {
             "train_loss": total / max(1, n),
             "steps": ledger.steps,
@@ -123,6 +148,8 @@ def dp_train(
         }
         if on_epoch is not None:
             on_epoch(epoch + 1, stats)
+        if max_steps is not None and ledger.steps >= max_steps:
+            break
         if save_state is not None and epoch + 1 < spec.epochs:
             save_state(
                 {
@@ -197,6 +224,9 @@ def run(
     model, ckpt_meta = load_model(ckpt)
     replace_head(model, data.num_classes, seed)
     spec = run_spec(cfg, algo_name, eps, len(data.train))
+    schedule = get_strategy(cfg.finetune.strategy).schedule(
+        spec.total_steps, cfg.finetune.ut_t1_fraction
+    )
     wildcards = {
         "upstream": upstream,
         "task": task,
@@ -249,6 +279,7 @@ def run(
             on_epoch=log_epoch,
             resume=resume,
             save_state=save_state,
+            schedule=schedule,
         )
         epsilon = ledger.epsilon()
         if epsilon > eps * 1.001:
@@ -265,6 +296,8 @@ def run(
             "physical_batch_size": cfg.finetune.physical_batch_size,
             "seed": seed,
             "n_train": len(data.train),
+            "strategy": schedule.strategy,
+            "t1": schedule.t1,
         }
         run_.log_params(hyper)
         metrics.update(
@@ -286,6 +319,10 @@ def run(
                     "sampling": "poisson",
                     "history": ledger.state_dict()["history"],
                     "validation_use": "reported only; selects nothing, so it is not charged",
+                    "phases": [
+                        {**ph, "released_dim": released_dims(model)[ph["phase"]]}
+                        for ph in schedule.phases()
+                    ],
                     **({"mechanism_note": algo.mechanism_note} if algo.mechanism_note else {}),
                 },
             }

@@ -1,0 +1,8 @@
+"""DP federated fine-tuning of pre-trained models (Pretrain-DPFL).
+
+partition   Dirichlet-alpha label split of a private task into N clients
+mechanisms  client-side Gaussian (Opacus) and Laplace (Theorem 1) mechanisms, per-client ledgers
+estimate    private estimates of the theorems' constants and the T1 rule (Theorems 2-3)
+simulation  FedSGD/FedAvg rounds over the clients
+stage       one grid job -> metrics.json; summary: CSV, rule hit rate, figures
+"""

@@ -1,0 +1,227 @@
+"""The two client-side DP mechanisms of Pretrain-DPFL and their per-client accountants.
+
+Gaussian (sample-level, add/remove-one adjacency, as Opacus): each round the client draws a
+Poisson sample of its data with rate q, clips every example's gradient to l2 norm C, sums, adds
+N(0, (sigma C)^2) per coordinate and divides by the expected batch size q d_i (Opacus'
+DPOptimizer does all of this). One Poisson-subsampled Gaussian per local step is recorded in
+the client's `PrivacyLedger`; epsilon comes from the Opacus accountant over the whole history.
+
+Laplace (the paper's Theorem 1, replace-one adjacency with public d_i): each round the client
+uses all of its d_i examples, clips every example's gradient to l1 norm C (= xi_1), sums, adds
+Lap(noise_multiplier * C) per coordinate and divides by d_i. The clipped sum has l1 sensitivity
+2C under replacement, so one release is (2 / noise_multiplier, 0)-DP; with K releases and
+noise_multiplier = 2K / epsilon the per-coordinate scale on the mean is 2 K xi_1 / (d_i eps),
+Theorem 1's Lap(0, 2 T xi_1 / (d_i eps_i)) with T = K. Composition is basic (pure-DP epsilons
+add), which is exact for the worst case of pure DP; `PureDPLedger` records it.
+
+Hand-written because no library has it: the Laplace optimizer (Opacus only has l2 clipping and
+Gaussian noise; we subclass its DPOptimizer and replace only the clip and noise phases) and the
+pure-DP ledger (a sum). `pure_dp_delta` cross-checks the latter with dp-accounting's PLD.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import math
+import os
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+from opacus.optimizers import DPOptimizer
+from opacus.optimizers.optimizer import _check_processed_flag, _mark_as_processed
+
+from dpadapter.privacy import PrivacyLedger, Segment, calibrate_sigma, epsilon_from_history
+
+GAUSSIAN, LAPLACE = "gaussian", "laplace"
+MECHANISMS = (GAUSSIAN, LAPLACE)
+ADJACENCY = {
+    GAUSSIAN: "add/remove one example of the client's data (Opacus' Poisson-sampled Gaussian)",
+    LAPLACE: "replace one example of the client's data, client size d_i public (Theorem 1)",
+}
+# Per mechanism, the factor kappa with which the add/remove (1) or replace-one (2) sensitivity
+# of a clipped sum, and of the estimation statistics, is computed.
+SENSITIVITY_FACTOR = {GAUSSIAN: 1.0, LAPLACE: 2.0}
+
+
+def laplace_noise(shape, scale: float, generator: torch.Generator | None, like: torch.Tensor):
+    """Lap(0, scale) i.i.d., as the difference of two Exp(1) draws times scale (exact law)."""
+    if scale == 0:
+        return torch.zeros(shape, dtype=like.dtype, device=like.device)
+    e1 = torch.empty(shape, dtype=like.dtype, device=like.device).exponential_(
+        1.0, generator=generator
+    )
+    e2 = torch.empty(shape, dtype=like.dtype, device=like.device).exponential_(
+        1.0, generator=generator
+    )
+    return (e1 - e2) * scale
+
+
+class LaplaceDPOptimizer(DPOptimizer):
+    """DPOptimizer with per-example l1 clipping to `max_grad_norm` and Laplace noise.
+
+    The noise on the clipped sum has scale `noise_multiplier * max_grad_norm` per coordinate
+    (the same convention as Opacus' Gaussian std). Everything else (per-sample gradients, the
+    skip queue, scaling by the expected batch size, the step hook) is Opacus'.
+    """
+
+    def clip_and_accumulate(self):
+        grad_samples = self.grad_samples
+        if len(grad_samples[0]) == 0:
+            factor = torch.zeros((0,), device=grad_samples[0].device)
+        else:
+            l1 = torch.stack([g.reshape(len(g), -1).abs().sum(dim=1) for g in grad_samples], dim=1)
+            factor = (self.max_grad_norm / (l1.sum(dim=1) + 1e-6)).clamp(max=1.0)
+        for p in self.params:
+            _check_processed_flag(p.grad_sample)
+            gs = self._get_flat_grad_sample(p).to(p.dtype)
+            grad = torch.einsum("i,i...", factor.to(gs.device, p.dtype), gs)
+            p.summed_grad = grad if p.summed_grad is None else p.summed_grad + grad
+            _mark_as_processed(p.grad_sample)
+
+    def add_noise(self):
+        scale = self.noise_multiplier * self.max_grad_norm
+        for p in self.params:
+            _check_processed_flag(p.summed_grad)
+            noise = laplace_noise(p.summed_grad.shape, scale, self.generator, p.summed_grad)
+            p.grad = (p.summed_grad + noise).view_as(p)
+            _mark_as_processed(p.summed_grad)
+
+
+def theorem1_scale(releases: int, xi1: float, d_i: int, epsilon: float) -> float:
+    """Pretrain-DPFL Theorem 1: per-coordinate Laplace scale on client i's mean gradient."""
+    return 2.0 * releases * xi1 / (d_i * epsilon)
+
+
+def laplace_noise_multiplier(epsilon: float, releases: int) -> float:
+    """noise_multiplier (scale / C on the clipped sum) spending `epsilon` over `releases`."""
+    if epsilon <= 0:
+        raise ValueError(f"no budget left for training (epsilon {epsilon})")
+    return 2.0 * releases / epsilon
+
+
+class PureDPLedger:
+    """Pure-DP releases of one client: Segment(noise_multiplier=scale/sensitivity, 1.0, steps).
+
+    A Laplace release with scale/l1-sensitivity r is (1/r, 0)-DP; pure-DP epsilons compose by
+    addition (basic composition), so epsilon() is the sum over the history.
+    """
+
+    delta = 0.0
+    accountant = "pure-dp basic composition"
+
+    def __init__(self, history: list[Segment] | None = None):
+        self.history: list[Segment] = list(history or [])
+
+    def record(self, noise_multiplier: float, sample_rate: float = 1.0, steps: int = 1) -> None:
+        if sample_rate != 1.0:
+            raise ValueError("the Laplace mechanism here has no subsampling (Theorem 1)")
+        if self.history and self.history[-1].noise_multiplier == noise_multiplier:
+            last = self.history[-1]
+            self.history[-1] = Segment(last.noise_multiplier, 1.0, last.steps + steps)
+            return
+        self.history.append(Segment(float(noise_multiplier), 1.0, int(steps)))
+
+    @property
+    def steps(self) -> int:
+        return sum(s.steps for s in self.history)
+
+    def epsilon(self) -> float:
+        if any(s.noise_multiplier <= 0 for s in self.history if s.steps):
+            return math.inf
+        return float(sum(s.steps / s.noise_multiplier for s in self.history))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "delta": 0.0,
+            "accountant": self.accountant,
+            "history": [asdict(s) for s in self.history],
+        }
+
+
+def make_ledger(mechanism: str, delta: float, accountant: str):
+    if mechanism == GAUSSIAN:
+        return PrivacyLedger(delta, accountant)
+    if mechanism == LAPLACE:
+        return PureDPLedger()
+    raise KeyError(f"unknown mechanism {mechanism!r}; known: {MECHANISMS}")
+
+
+def pure_dp_delta(history: list[Segment], epsilon: float) -> float:
+    """delta(epsilon) of the composed Laplace history by dp-accounting's PLD (independent check).
+
+    For a pure-DP history spending at most `epsilon` this is 0 up to floating point.
+    """
+    import dp_accounting
+
+    acc = dp_accounting.pld.PLDAccountant(value_discretization_interval=1e-4)
+    for s in history:
+        if s.steps:
+            acc.compose(dp_accounting.LaplaceDpEvent(s.noise_multiplier), s.steps)
+    return float(acc.get_delta(epsilon))
+
+
+def gaussian_sigma(
+    target_epsilon: float,
+    delta: float,
+    sample_rate: float,
+    steps: int,
+    accountant: str,
+    prior: list[Segment] = (),
+    cache: str | Path | None = None,
+) -> float:
+    """A sigma within 0.5% of the smallest with epsilon(prior + `steps` releases) <= target.
+
+    Without `prior` this is the repository's `calibrate_sigma`. With one (the estimation
+    release of the T1 rule) the joint history is accounted: a bisection over sigma using the
+    same accountant, starting from the prior-free sigma (a lower bound). Hand-written because
+    Opacus calibrates a single segment only.
+    """
+    base = calibrate_sigma(target_epsilon, delta, sample_rate, steps, accountant, cache)
+    prior = [s for s in prior if s.steps]
+    if not prior:
+        return base
+    key = json.dumps(
+        [target_epsilon, delta, sample_rate, steps, accountant, [s.as_tuple() for s in prior]]
+    )
+    if cache is not None:
+        hit = _read(Path(cache).with_name("sigma_joint.json")).get(key)
+        if hit is not None:
+            return float(hit)
+
+    def eps(sigma: float) -> float:
+        return epsilon_from_history([*prior, Segment(sigma, sample_rate, steps)], delta, accountant)
+
+    if epsilon_from_history(prior, delta, accountant) >= target_epsilon:
+        raise ValueError("the estimation release alone spends the whole budget")
+    # The estimate is one release among many, so the joint sigma is barely above `base`:
+    # bracket it from there in small steps (each accountant call costs ~0.5 s with PRV).
+    lo, hi = base, base * 1.01
+    while eps(hi) > target_epsilon:
+        lo, hi = hi, hi * 1.05
+    while hi - lo > 0.005 * hi:
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if eps(mid) > target_epsilon else (lo, mid)
+    if cache is not None:
+        _write(Path(cache).with_name("sigma_joint.json"), key, hi)
+    return hi
+
+
+def _read(path: Path) -> dict[str, float]:
+    try:
+        return json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return {}
+
+
+def _write(path: Path, key: str, value: float) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        data = _read(path)
+        data[key] = value
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data, indent=1))
+        os.replace(tmp, path)

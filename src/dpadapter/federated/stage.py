@@ -1,0 +1,307 @@
+"""The `federated` stage: one DP federated fine-tuning run -> metrics.json (+ one MLflow run).
+
+Epsilon in, noise out, as in the central stage: the noise is calibrated from the target epsilon
+for the exact number of releases each client will make (rounds x local steps, plus the T1
+rule's estimation release when `ut_t1` is "rule"), every client's ledger records what it
+actually released, and the job fails if any client's recomputed epsilon exceeds the target.
+Validation accuracy is reported every `eval_every` rounds and steers nothing (not charged).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+from opacus.grad_sample.utils import wrap_model
+from torch.utils.data import TensorDataset
+
+from dpadapter.config import Config
+from dpadapter.data import build_splits
+from dpadapter.federated.estimate import (
+    aggregate_constants,
+    aggregated_noise_var,
+    client_constants,
+    client_statistics,
+    decide,
+    privatize,
+    random_directions,
+)
+from dpadapter.federated.mechanisms import (
+    ADJACENCY,
+    GAUSSIAN,
+    LAPLACE,
+    MECHANISMS,
+    gaussian_sigma,
+    laplace_noise_multiplier,
+)
+from dpadapter.federated.partition import dirichlet_partition
+from dpadapter.federated.simulation import Client, Federation, MechanismRun
+from dpadapter.models import replace_head
+from dpadapter.privacy import Segment, calibrate_sigma
+from dpadapter.stages.job import seed_everything, training_job
+from dpadapter.strategies import FT, apply_phase, get_strategy, released_dims
+from dpadapter.train.checkpoint import load_model
+from dpadapter.train.loops import evaluate
+
+STRATEGY_NAMES = ("scratch", "ht", "ft", "ut")
+DP_LEVEL_NOTE = (
+    "sample-level: each client clips and noises its own updates and keeps its own accountant; "
+    "an example's guarantee is its client's epsilon, and since every example belongs to exactly "
+    "one client the released global models are max_i epsilon_i - DP w.r.t. any one example. "
+    "Not client-level DP (a whole client's data is not protected as one unit)."
+)
+
+
+def estimate_sigma(eps_e: float, delta: float) -> float:
+    """Noise multiplier of the estimate's single Gaussian release costing (eps_e, delta) alone.
+
+    dp-accounting's exact (analytic) Gaussian calibration: Opacus' RDP cannot reach small
+    epsilons for one release on its alpha grid, and its PRV bisection is slow. This only sets
+    the noise level; what is charged is the configured accountant's epsilon for the joint
+    history (estimate + training), which the training sigma is calibrated on.
+    """
+    from dp_accounting.pld import accountant, common
+
+    return float(
+        accountant.get_smallest_gaussian_noise(common.DifferentialPrivacyParameters(eps_e, delta))
+    )
+
+
+def plan_noise(cfg: Config, mechanism: str, eps: float, releases: int, with_rule: bool):
+    """(training noise multiplier, estimation noise, estimation epsilon) for one client.
+
+    Gaussian: the estimation release alone costs `estimate_fraction * eps` (its sigma_e is
+    calibrated for that); the training sigma is then calibrated on the joint history, so the
+    composed epsilon is at most eps. Laplace: pure-DP budgets add, so training gets the rest.
+    """
+    fed, priv = cfg.federated, cfg.privacy
+    cache = str(Path(cfg.results_dir) / ".cache" / "sigma.json")
+    if mechanism == GAUSSIAN:
+        q = fed.gaussian.sample_rate
+        if not with_rule:
+            return calibrate_sigma(eps, priv.delta, q, releases, priv.accountant, cache), None, 0.0
+        eps_e = fed.gaussian.estimate_fraction * eps
+        sigma_e = estimate_sigma(eps_e, priv.delta)
+        prior = [Segment(sigma_e, 1.0, 1)]
+        sigma = gaussian_sigma(eps, priv.delta, q, releases, priv.accountant, prior, cache)
+        return sigma, sigma_e, eps_e
+    eps_e = fed.laplace.estimate_fraction * eps if with_rule else 0.0
+    return laplace_noise_multiplier(eps - eps_e, releases), (eps_e or None), eps_e
+
+
+def estimate_t1(
+    gsm, clients: list[Client], mech: MechanismRun, est_noise: float, cfg, rounds, seed
+):
+    """Steps 2-3 of Algorithm 1 on the clients; each client's release goes into its ledger."""
+    fed = cfg.federated
+    params = apply_phase(gsm, FT)
+    dirs = random_directions(params, fed.estimate_directions, fed.estimate_radius, 50_000 + seed)
+    dir_norms = [
+        float(torch.linalg.vector_norm(torch.cat([t.reshape(-1) for t in u]))) for u in dirs
+    ]
+    norm = "l2" if mech.name == GAUSSIAN else "l1"
+    mc = fed.mechanism(mech.name)
+    stat_clip = min(mech.max_grad_norm, mc.estimate_clip or mech.max_grad_norm)
+    per_client = []
+    for c in clients:
+        raw = client_statistics(
+            gsm, c.data, mech.max_grad_norm, norm, dirs, d_public=c.size, stat_clip=stat_clip
+        )
+        noisy, seg = privatize(raw, mech.name, stat_clip, c.size, est_noise, c.noise_gen)
+        c.ledger.record(seg.noise_multiplier, seg.sample_rate, seg.steps)
+        per_client.append(client_constants(noisy, c.size, mech.sample_rate, dir_norms))
+    sizes = [c.size for c in clients]
+    consts = aggregate_constants(per_client, sizes)
+    dims = released_dims(gsm)
+    v = aggregated_noise_var(
+        mech.name, sizes, mech.max_grad_norm, mech.noise_multiplier, mech.sample_rate
+    )
+    decision = decide(consts, rounds, len(clients), mech.lr, dims["ft"] - dims["ht"], dims["ht"], v)
+    return decision, consts
+
+
+def run(
+    cfg: Config,
+    upstream: str,
+    strategy: str,
+    mechanism: str,
+    eps: float,
+    rounds: int,
+    seed: int,
+    ckpt: Path,
+    out_dir: Path,
+) -> dict:
+    fed = cfg.federated
+    if strategy not in STRATEGY_NAMES:
+        raise KeyError(f"unknown strategy {strategy!r}; known: {STRATEGY_NAMES}")
+    if strategy == "scratch" and upstream != "scratch":
+        raise ValueError("strategy 'scratch' is FT from the 'scratch' checkpoint")
+    if mechanism not in MECHANISMS:
+        raise KeyError(f"unknown mechanism {mechanism!r}; known: {MECHANISMS}")
+    if not math.isfinite(eps) or eps <= 0:
+        raise ValueError(f"epsilon must be positive and finite, got {eps}")
+    task = fed.task or next(iter(cfg.tasks))
+    seed_everything(seed)
+    _, roles = build_splits(cfg, [task])
+    data = roles[task]
+    model, _ = load_model(ckpt)
+    replace_head(model, data.num_classes, seed)
+    x, y = data.train.tensors
+    parts = dirichlet_partition(
+        y, fed.clients, fed.dirichlet_alpha, fed.split_seed, fed.min_client_size
+    )
+
+    mc = fed.mechanism(mechanism)
+    releases = rounds * fed.local_steps
+    with_rule = strategy == "ut" and fed.ut_t1 == "rule"
+    noise_multiplier, est_noise, eps_e = plan_noise(cfg, mechanism, eps, releases, with_rule)
+    mech = MechanismRun(
+        name=mechanism,
+        max_grad_norm=mc.max_grad_norm,
+        noise_multiplier=noise_multiplier,
+        sample_rate=mc.sample_rate if mechanism == GAUSSIAN else 1.0,
+        lr=mc.lr,
+        delta=cfg.privacy.delta if mechanism == GAUSSIAN else 0.0,
+        accountant=cfg.privacy.accountant,
+    )
+    clients = [Client(i, TensorDataset(x[idx], y[idx]), mech, seed) for i, idx in enumerate(parts)]
+    gsm = wrap_model(model, grad_sample_mode="hooks", batch_first=True, loss_reduction="mean")
+    gsm.train()
+
+    wildcards = {
+        "upstream": upstream,
+        "strategy": strategy,
+        "mechanism": mechanism,
+        "eps": f"{eps:g}",
+        "rounds": str(rounds),
+        "seed": str(seed),
+    }
+    with training_job(cfg, "federated", wildcards, out_dir) as (run_, metrics):
+        decision = consts = None
+        t1 = None
+        if with_rule:
+            decision, consts = estimate_t1(gsm, clients, mech, est_noise, cfg, rounds, seed)
+            t1 = decision.t1
+        name = "ft" if strategy == "scratch" else strategy
+        t1_fraction = fed.ut_t1 if not isinstance(fed.ut_t1, str) else None
+        schedule = get_strategy(name).schedule(rounds, t1_fraction, t1=t1)
+        federation = Federation(gsm, clients, schedule, fed.local_steps)
+        curve: list[dict] = []
+
+        def on_round(rec: dict) -> None:
+            r = rec["round"]
+            if r % fed.eval_every == 0 or r == rounds:
+                acc = evaluate(model, data.val) if len(data.val) else float("nan")
+                curve.append({**rec, "val_accuracy": acc})
+                run_.log_metrics({"val_accuracy": acc, "train_loss": rec["train_loss"]}, step=r)
+
+        federation.run(on_round)
+        dims = released_dims(model)
+        for p in model.parameters():
+            p.requires_grad_(True)
+
+        eps_cache: dict[tuple, float] = {}
+        per_client = []
+        for c in clients:
+            key = tuple(s.as_tuple() for s in c.ledger.history)
+            if key not in eps_cache:
+                eps_cache[key] = c.ledger.epsilon()
+            per_client.append(
+                {
+                    "client": c.index,
+                    "n": c.size,
+                    "epsilon": eps_cache[key],
+                    "steps": c.ledger.steps,
+                    "history": c.ledger.state_dict()["history"],
+                }
+            )
+        spent = max(pc["epsilon"] for pc in per_client)
+        if spent > eps * 1.001:
+            raise RuntimeError(f"a client spent epsilon {spent:.4f} > target {eps}")
+
+        hyper = {
+            "algorithm": "fedsgd" if fed.local_steps == 1 else "fedavg",
+            "strategy": strategy,
+            "effective_strategy": name,
+            "lr": mc.lr,
+            "rounds": rounds,
+            "local_steps": fed.local_steps,
+            "clients": fed.clients,
+            "dirichlet_alpha": fed.dirichlet_alpha,
+            "split_seed": fed.split_seed,
+            "max_grad_norm": mc.max_grad_norm,
+            "noise_multiplier": noise_multiplier,
+            "sample_rate": mech.sample_rate,
+            "grad_sample_mode": cfg.finetune.grad_sample_mode,
+            "task": task,
+            "seed": seed,
+        }
+        run_.log_params(hyper)
+        test_acc = evaluate(model, data.test)
+        metrics.update(
+            {
+                "test_accuracy": test_acc,
+                "val_accuracy": curve[-1]["val_accuracy"] if curve else None,
+                "hyperparameters": hyper,
+                "federation": {
+                    "algorithm": hyper["algorithm"],
+                    "clients": fed.clients,
+                    "client_sizes": [c.size for c in clients],
+                    "aggregation": "theta = sum_i (d_i / d) theta_i (weighted by client data size)",
+                    "partition": f"Dirichlet(alpha={fed.dirichlet_alpha}) per class, "
+                    f"seed {fed.split_seed}",
+                },
+                "schedule": {
+                    "t1": schedule.t1,
+                    "rounds": rounds,
+                    "phases": schedule.phases(),
+                    "released_dims": dims,
+                    "t1_source": "rule" if with_rule else ("config" if name == "ut" else "fixed"),
+                },
+                "privacy": {
+                    "mechanism": mechanism,
+                    "dp_level": "sample",
+                    "dp_level_note": DP_LEVEL_NOTE,
+                    "adjacency": ADJACENCY[mechanism],
+                    "accountant": clients[0].ledger.accountant,
+                    "target_epsilon": eps,
+                    "epsilon": spent,
+                    "delta": mech.delta,
+                    "clipping": "l2" if mechanism == GAUSSIAN else "l1",
+                    "max_grad_norm": mc.max_grad_norm,
+                    "noise_multiplier": noise_multiplier,
+                    "sample_rate": mech.sample_rate,
+                    "sampling": "poisson" if mechanism == GAUSSIAN else "full batch",
+                    "releases_per_client": releases + (1 if with_rule else 0),
+                    "estimation": (
+                        {"epsilon_alone": eps_e, "noise": est_noise, "charged": True}
+                        if with_rule
+                        else None
+                    ),
+                    "accountant_scope": "one ledger per client for the whole run, never reset",
+                    "clients": per_client,
+                    "validation_use": "reported only; selects nothing, so it is not charged",
+                    **(
+                        {
+                            "laplace_scale_per_client": [
+                                mech.noise_multiplier * mc.max_grad_norm / c.size for c in clients
+                            ]
+                        }
+                        if mechanism == LAPLACE
+                        else {}
+                    ),
+                },
+                "curve": curve,
+                "rule": (
+                    {**decision.as_dict(), "constants": consts.__dict__}
+                    if decision is not None
+                    else None
+                ),
+                "predicted_best": decision.predicted_best if decision is not None else None,
+            }
+        )
+        run_.log_metrics(
+            {"test_accuracy": test_acc, "epsilon": spent, "noise_multiplier": noise_multiplier}
+        )
+    return metrics

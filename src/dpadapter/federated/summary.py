@@ -1,0 +1,180 @@
+"""Aggregation of the federated grid: federated.csv, the T1 rule's hit rate, and the figures.
+
+A cell is (upstream, mechanism, epsilon, rounds). Its empirical winner is whichever of HT and
+FT has the higher mean test accuracy over seeds (the rule chooses between exactly these two:
+T1 = T or T1 = 0); `within_noise` flags cells where the gap is at most the larger of the two
+standard deviations. The rule's prediction comes from the cell's `ut` jobs with
+`ut_t1: rule` (one per seed; each seed estimates the constants with its own noise): the
+majority, or "split" on a tie. The hit rate counts a cell as a hit when the majority
+prediction equals the winner; the per-job rate counts every seed's prediction.
+Test accuracy selects nothing here: it is reported after every run has finished.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import statistics
+from collections import Counter, defaultdict
+from pathlib import Path
+
+COLUMNS = [
+    "strategy",
+    "mechanism",
+    "epsilon",
+    "rounds",
+    "mean_accuracy",
+    "std_accuracy",
+    "n_seeds",
+    "predicted_best",
+    "upstream",
+    "max_epsilon_spent",
+]
+
+
+def collect(paths: list[Path]) -> tuple[list[dict], dict[tuple, list[str]]]:
+    """Rows (one per upstream x strategy x mechanism x epsilon x rounds) and the rule's
+    per-seed predictions keyed by (upstream, mechanism, epsilon, rounds)."""
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    preds: dict[tuple, list[str]] = defaultdict(list)
+    for p in paths:
+        m = json.loads(Path(p).read_text())
+        w = m["wildcards"]
+        key = (w["upstream"], w["strategy"], w["mechanism"], float(w["eps"]), int(w["rounds"]))
+        groups[key].append(m)
+        if m.get("predicted_best"):
+            preds[(key[0], key[2], key[3], key[4])].append(m["predicted_best"])
+    pretrained = sorted({k[0] for k in groups if k[1] != "scratch"})
+    rows = []
+    for (up, strat, mech, eps, rounds), ms in sorted(groups.items(), key=_order):
+        accs = [m["test_accuracy"] for m in ms]
+        cell_up = up if strat != "scratch" else (pretrained[0] if len(pretrained) == 1 else None)
+        rows.append(
+            {
+                "strategy": strat,
+                "mechanism": mech,
+                "epsilon": eps,
+                "rounds": rounds,
+                "mean_accuracy": statistics.fmean(accs),
+                "std_accuracy": statistics.stdev(accs) if len(accs) > 1 else 0.0,
+                "n_seeds": len(accs),
+                "predicted_best": _majority(preds.get((cell_up, mech, eps, rounds), [])),
+                "upstream": up,
+                "max_epsilon_spent": max(m["privacy"]["epsilon"] for m in ms),
+            }
+        )
+    return rows, dict(preds)
+
+
+_STRATEGY_ORDER = {"scratch": 0, "ht": 1, "ft": 2, "ut": 3}
+
+
+def _order(item):
+    (up, strat, mech, eps, rounds), _ = item
+    return (mech, rounds, eps, up if strat != "scratch" else "", _STRATEGY_ORDER.get(strat, 9))
+
+
+def _majority(votes: list[str]) -> str:
+    if not votes:
+        return ""
+    counts = Counter(votes).most_common()
+    if len(counts) > 1 and counts[0][1] == counts[1][1]:
+        return "split"
+    return counts[0][0]
+
+
+def rule_report(rows: list[dict], preds: dict[tuple, list[str]]) -> dict:
+    """How often the rule's prediction matched the empirical HT-vs-FT winner."""
+    by_cell: dict[tuple, dict[str, dict]] = defaultdict(dict)
+    for r in rows:
+        by_cell[(r["upstream"], r["mechanism"], r["epsilon"], r["rounds"])][r["strategy"]] = r
+    cells = []
+    for key, votes in sorted(preds.items()):
+        strat = by_cell.get(key, {})
+        if "ht" not in strat or "ft" not in strat:
+            continue
+        ht, ft = strat["ht"], strat["ft"]
+        winner = "ht" if ht["mean_accuracy"] > ft["mean_accuracy"] else "ft"
+        gap = abs(ht["mean_accuracy"] - ft["mean_accuracy"])
+        everyone = dict(strat)
+        scratch = [
+            r
+            for r in rows
+            if r["strategy"] == "scratch"
+            and r["mechanism"] == key[1]
+            and r["epsilon"] == key[2]
+            and r["rounds"] == key[3]
+        ]
+        if scratch:
+            everyone["scratch"] = scratch[0]
+        predicted = _majority(votes)
+        cells.append(
+            {
+                "upstream": key[0],
+                "mechanism": key[1],
+                "epsilon": key[2],
+                "rounds": key[3],
+                "predicted": predicted,
+                "votes": dict(Counter(votes)),
+                "winner": winner,
+                "hit": predicted == winner,
+                "accuracy_ht": ht["mean_accuracy"],
+                "accuracy_ft": ft["mean_accuracy"],
+                "within_noise": gap <= max(ht["std_accuracy"], ft["std_accuracy"]),
+                "best_overall": max(everyone, key=lambda s: everyone[s]["mean_accuracy"]),
+            }
+        )
+    n = len(cells)
+    jobs = [(v, c["winner"]) for c in cells for v, k in c["votes"].items() for _ in range(k)]
+    clear = [c for c in cells if not c["within_noise"]]
+    return {
+        "definition": "winner = argmax over {ht, ft} of the mean test accuracy over seeds; "
+        "prediction = majority of the ut (ut_t1: rule) jobs' predicted_best",
+        "cells": cells,
+        "n_cells": n,
+        "hits": sum(c["hit"] for c in cells),
+        "hit_rate": (sum(c["hit"] for c in cells) / n) if n else None,
+        "split_cells": sum(c["predicted"] == "split" for c in cells),
+        "per_job_hit_rate": (sum(v == w for v, w in jobs) / len(jobs)) if jobs else None,
+        "n_cells_beyond_noise": len(clear),
+        "hit_rate_beyond_noise": (sum(c["hit"] for c in clear) / len(clear)) if clear else None,
+    }
+
+
+def write_csv(rows: list[dict], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=COLUMNS)
+        w.writeheader()
+        for r in rows:
+            out = {}
+            for k in COLUMNS:
+                v = r[k]
+                if k == "epsilon":
+                    v = f"{v:g}"
+                elif isinstance(v, float):
+                    v = f"{v:.4f}"
+                out[k] = v
+            w.writerow(out)
+
+
+def run(
+    cfg, metrics: list[Path], csv_path: Path, rule_path: Path, fig_eps: Path, fig_rounds: Path
+) -> dict:
+    from dpadapter import plots_federated
+    from dpadapter.stages.job import write_json
+
+    rows, preds = collect(metrics)
+    write_csv(rows, csv_path)
+    report = rule_report(rows, preds)
+    write_json(rule_path, report)
+    fed = cfg.federated
+    title = f"{cfg.model.name}, {fed.clients} clients, Dirichlet alpha={fed.dirichlet_alpha:g}"
+    plots_federated.accuracy_vs_epsilon(rows, fig_eps, rounds=fed.rounds, title=title)
+    plots_federated.accuracy_vs_rounds(rows, fig_rounds, epsilons=fed.sweep_epsilons, title=title)
+    if report["n_cells"]:
+        print(
+            f"T1 rule: {report['hits']}/{report['n_cells']} cells predicted the HT/FT winner "
+            f"({report['split_cells']} split)"
+        )
+    return report

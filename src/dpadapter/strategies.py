@@ -1,0 +1,145 @@
+"""Fine-tuning strategies: which parameters a DP step trains, and so releases and noises.
+
+- `ft` (full-tuning): every parameter is trained; each release has dimension p + n.
+- `ht` (head-tuning): only the classifier head is trained. The backbone is frozen with
+  `requires_grad=False`, so Opacus computes per-sample gradients, clips and adds noise for the
+  head's parameters only (`DPOptimizer.params` keeps the parameters that require grad): the
+  released vector, and the noise in it, has the head's dimension n.
+- `ut` (unified-tuning, Ke et al. 2024; Pretrain-DPFL Definition 4): HT for the first T1 steps
+  (or rounds), then FT.
+
+Why freezing and not masking: a masked gradient would still be clipped and noised in p + n
+dimensions, which is FT's privacy/noise trade-off, not HT's. The privacy cost of one release
+does not depend on its dimension (the clipped sensitivity is the same), so the accountant records
+HT and FT steps alike; what changes is how much noise lands in the model.
+
+The registry maps a name to a `Strategy`; `Strategy.schedule(total, t1_fraction)` gives the
+`Schedule` (T1 and the phase of each step) that training loops consult.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from torch import nn
+
+from dpadapter.models import get_head_params
+
+HT, FT = "ht", "ft"
+PHASES = (HT, FT)
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """`total` steps of which the first `t1` are head-tuning (HT) and the rest full-tuning (FT)."""
+
+    strategy: str
+    total: int
+    t1: int
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.t1 <= self.total:
+            raise ValueError(f"T1={self.t1} outside [0, {self.total}]")
+
+    def phase(self, step: int) -> str:
+        """Phase of the step with 0-based index `step`; from `total` on, the last phase stays
+        (pure HT stays frozen after its last step)."""
+        return HT if step < self.t1 or self.t1 == self.total else FT
+
+    def phases(self) -> list[dict]:
+        """The non-empty phases in order, as {"phase", "start", "steps"} (for metrics.json)."""
+        out = []
+        if self.t1 > 0:
+            out.append({"phase": HT, "start": 0, "steps": self.t1})
+        if self.total > self.t1:
+            out.append({"phase": FT, "start": self.t1, "steps": self.total - self.t1})
+        return out
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """A named rule for T1 given the total number of steps (and UT's configured fraction)."""
+
+    name: str
+    t1_rule: Callable[[int, float | None], int]
+    description: str
+
+    def schedule(
+        self, total: int, t1_fraction: float | None = None, t1: int | None = None
+    ) -> Schedule:
+        """Schedule over `total` steps; an explicit `t1` (UT only) overrides the fraction."""
+        if t1 is not None:
+            if self.name != "ut":
+                raise ValueError(f"strategy {self.name!r} has a fixed T1; only 'ut' takes one")
+            return Schedule(self.name, total, int(t1))
+        return Schedule(self.name, total, self.t1_rule(total, t1_fraction))
+
+
+STRATEGIES: dict[str, Strategy] = {}
+
+
+def register_strategy(strategy: Strategy) -> Strategy:
+    if strategy.name in STRATEGIES:
+        raise KeyError(f"strategy {strategy.name!r} registered twice")
+    STRATEGIES[strategy.name] = strategy
+    return strategy
+
+
+def _ut_t1(total: int, fraction: float | None) -> int:
+    if fraction is None or not 0.0 <= fraction <= 1.0:
+        raise ValueError(f"ut needs a T1 fraction in [0, 1], got {fraction!r}")
+    return int(round(fraction * total))
+
+
+register_strategy(Strategy("ft", lambda total, _f: 0, "full-tuning: every parameter"))
+register_strategy(Strategy("ht", lambda total, _f: total, "head-tuning: the classifier head only"))
+register_strategy(Strategy("ut", _ut_t1, "unified-tuning: HT for T1 steps, then FT"))
+
+
+def get_strategy(name: str) -> Strategy:
+    try:
+        return STRATEGIES[name]
+    except KeyError:
+        raise KeyError(f"unknown strategy {name!r}; known: {sorted(STRATEGIES)}") from None
+
+
+def trainable_params(
+    model: nn.Module, strategy: str, phase: str | None = None
+) -> list[nn.Parameter]:
+    """Parameters trained (and released) by `strategy` in `phase`.
+
+    `phase` defaults to the strategy's only phase (FT for `ft`, HT for `ht`); `ut` needs it.
+    """
+    get_strategy(strategy)
+    if phase is None:
+        if strategy == "ut":
+            raise ValueError("ut has two phases; pass phase='ht' or 'ft'")
+        phase = HT if strategy == "ht" else FT
+    if phase == HT:
+        return list(get_head_params(model))
+    if phase == FT:
+        return list(model.parameters())
+    raise ValueError(f"unknown phase {phase!r}; known: {PHASES}")
+
+
+def apply_phase(model: nn.Module, phase: str) -> list[nn.Parameter]:
+    """Freeze everything `phase` does not train; return the trainable parameters.
+
+    Works on the bare model or an Opacus GradSampleModule wrapping it (same parameters).
+    """
+    inner = getattr(model, "_module", model)
+    keep = {id(p) for p in trainable_params(inner, "ut", phase)}
+    for p in inner.parameters():
+        p.requires_grad_(id(p) in keep)
+    return [p for p in inner.parameters() if id(p) in keep]
+
+
+def released_dims(model: nn.Module) -> dict[str, int]:
+    """Dimension of one release (and of its noise) in each phase: n for HT, p + n for FT."""
+    inner = getattr(model, "_module", model)
+    return {ph: count_params(trainable_params(inner, "ut", ph)) for ph in PHASES}
+
+
+def count_params(params: list[nn.Parameter]) -> int:
+    return sum(p.numel() for p in params)

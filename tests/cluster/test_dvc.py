@@ -1,0 +1,119 @@
+"""DVC over the Snakemake pipeline: run, push, lose everything, pull, and carry on.
+
+In a temporary git repository holding a copy of the project with the tiny config:
+`dvc repro` (each stage runs its Snakemake target), `dvc push` to the default remote (a local
+folder), then outputs, DVC cache and Snakemake metadata are deleted (a fresh clone).
+`dvc pull` of the warm-up and pre-training stages restores the checkpoints, after which
+`snakemake -n` schedules no warm-up or pre-training job, even with the pulled files' times in
+the worst order, and fine-tuning from the pulled checkpoints reproduces the first results.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from cluster_helpers import REPO, VENV_BIN, job_env
+
+pytestmark = pytest.mark.slow
+
+PROJECT_FILES = [
+    "Snakefile", "workflow", "src", "envs", "dvc.yaml", ".dvcignore", ".dvc/config",
+    ".dvc/.gitignore", ".gitignore", "pyproject.toml", "requirements.txt",
+]  # fmt: skip
+
+
+def _run(cmd: list[str], cwd: Path, env: dict, timeout: float = 1200) -> str:
+    r = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0, f"{' '.join(cmd)} failed:\n{(r.stdout + r.stderr)[-5000:]}"
+    return r.stdout + r.stderr
+
+
+def _job_counts(dry_run_output: str) -> dict[str, int]:
+    """The `Job stats` table of a Snakemake dry run: rule -> number of jobs."""
+    table = dry_run_output.split("Job stats:", 1)[1].split("Reasons:", 1)[0]
+    return {
+        m[1]: int(m[2]) for m in re.finditer(r"^(\S+)\s+(\d+)\s*$", table, re.M) if m[1] != "total"
+    }
+
+
+def _finetune_results(results: Path) -> dict[str, tuple[dict, dict]]:
+    out = {}
+    for metrics in sorted((results / "finetune").rglob("metrics.json")):
+        key = str(metrics.parent.relative_to(results))
+        weights = torch.load(metrics.parent / "model.pt", weights_only=False)["state_dict"]
+        out[key] = (json.loads(metrics.read_text()), weights)
+    return out
+
+
+def test_dvc_pull_then_snakemake_retrains_nothing(tiny_raw, tmp_path):
+    raw = tiny_raw
+    raw["tasks"] = {"syn-shift": raw["tasks"]["syn-shift"]}
+    raw["finetune"]["epsilons"] = [4]
+    raw["finetune"]["epochs"] = 1
+    repo = tmp_path / "repo"
+    for rel in PROJECT_FILES:
+        src, dst = REPO / rel, repo / rel
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        if src.is_dir():
+            shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+        else:
+            shutil.copy2(src, dst)
+    (repo / "config.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
+    (repo / ".venv").symlink_to(REPO / ".venv")  # dvc.yaml runs .venv/bin/snakemake
+    env = job_env(repo, GIT_AUTHOR_NAME="t", GIT_AUTHOR_EMAIL="t@t", GIT_COMMITTER_NAME="t")
+    env["GIT_COMMITTER_EMAIL"] = "t@t"
+    dvc, smk = str(VENV_BIN / "dvc"), str(VENV_BIN / "snakemake")
+    _run(["git", "init", "-q"], repo, env)
+    (repo / ".git" / "info" / "exclude").write_text(".venv\n")
+    _run(["git", "add", "-A"], repo, env)
+    _run(["git", "commit", "-q", "-m", "project"], repo, env)
+
+    # 1. Run the stages; the lock file records every stage; push to the default remote.
+    _run([dvc, "repro"], repo, env)
+    lock = yaml.safe_load((repo / "dvc.lock").read_text())["stages"]
+    assert set(lock) == {"warmup", "pretrain@scratch", "pretrain@standard", "finetune"}
+    assert "up to date" in _run([dvc, "status"], repo, env)
+    _run([dvc, "push"], repo, env)
+    remote = tmp_path / "dpadapter-dvc-remote"  # .dvc/config: ../../dpadapter-dvc-remote
+    assert remote.is_dir() and any(p.is_file() for p in remote.rglob("*"))
+    before = _finetune_results(repo / "results")
+    assert len(before) == 2
+
+    # 2. A fresh clone: no outputs, no DVC cache, no Snakemake metadata.
+    for rel in ("results", ".dvc/cache", ".snakemake", "logs", "benchmarks"):
+        shutil.rmtree(repo / rel, ignore_errors=True)
+    _run([dvc, "pull", "warmup", "pretrain@scratch", "pretrain@standard"], repo, env)
+    for rel in ("warmup/model.pt", "pretrain/scratch/model.pt", "pretrain/standard/model.pt"):
+        assert (repo / "results" / rel).is_file(), rel
+    assert not (repo / "results" / "finetune").exists()
+    assert "warmup" not in _run([dvc, "status", "warmup", "pretrain"], repo, env).replace(
+        "Data and pipelines are up to date", ""
+    )
+    # Worst case of the order the files came back in: the warm-up newest of all.
+    future = time.time() + 60
+    for p in (repo / "results" / "warmup").iterdir():
+        os.utime(p, (future, future))
+
+    # 3. Snakemake trusts the pulled checkpoints: only fine-tuning and what follows it is left.
+    jobs = _job_counts(_run([smk, "-n", "--cores", "2"], repo, env))
+    assert "warmup" not in jobs and "pretrain" not in jobs, jobs
+    assert jobs.get("finetune") == 2, jobs
+
+    # 4. Fine-tuning from the pulled checkpoints reproduces the first results.
+    _run([smk, "--cores", "2", "results/summary/finetune.csv"], repo, env)
+    after = _finetune_results(repo / "results")
+    assert sorted(after) == sorted(before)
+    for key, (m_before, w_before) in before.items():
+        m_after, w_after = after[key]
+        assert m_after["privacy"] == m_before["privacy"], key
+        assert m_after["test_accuracy"] == m_before["test_accuracy"], key
+        assert all(torch.allclose(w_after[k], w_before[k], atol=1e-6) for k in w_before), key

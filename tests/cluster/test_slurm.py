@@ -1,0 +1,302 @@
+"""The Slurm profile on a real Slurm: `snakemake --profile slurm` submits every job with sbatch.
+
+A one-node cluster runs on localhost for the duration of this module: munged, slurmctld and
+slurmd from Debian's `munge` and `slurm-wlm` (installed with apt when missing; needs root),
+configured in /etc/slurm/slurm.conf (Slurm's nested `srun` inside each job finds no
+configuration from SLURM_CONF alone), no slurmdbd (so `--slurm-status-command squeue`).
+Every daemon is stopped by PID afterwards and the configuration files are removed again; the
+test skips rather than replace a configuration it did not write.
+
+The node is declared with 2 GPUs, >= 16 CPUs and >= 40 GB (`SlurmdParameters=config_overrides`:
+only the scheduler's bookkeeping, nothing is enforced with proctrack/linuxproc and task/none),
+so the jobs request exactly what the profile asks for on a real GPU cluster: `--gpus=1` for
+training, a CPU partition for aggregation, the per-rule time limits and memory. The "GPUs" are
+/dev/null and /dev/zero: Slurm only hands their indices out (CUDA_VISIBLE_DEVICES).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import getpass
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from cluster_helpers import (
+    REPO,
+    VENV_BIN,
+    file_lock,
+    job_env,
+    port_in_use,
+    require_debian_packages,
+    start_daemon,
+    stop_daemon,
+    tiny_workdir,
+    wait_until,
+)
+
+pytestmark = pytest.mark.slow
+
+MARKER = "# written by dpadapter tests/cluster/test_slurm.py"
+CONF_FILES = [Path("/etc/slurm/slurm.conf"), Path("/etc/slurm/gres.conf")]
+SLURM_BINARIES = ["slurmctld", "slurmd", "sbatch", "squeue", "scontrol", "srun", "scancel"]
+PROFILE = yaml.safe_load((REPO / "slurm" / "config.yaml").read_text())
+
+
+# Slurm clients read SLURM_CONF (and other SLURM_* defaults) before /etc/slurm/slurm.conf.
+CLIENT_ENV = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SBATCH_"))}
+
+
+def _run(cmd: list[str], timeout: float = 30, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        cmd, capture_output=True, text=True, timeout=timeout, env=CLIENT_ENV, **kw
+    )
+
+
+def _slurm_conf(host: str, state: Path, ctld_port: int, slurmd_port: int) -> str:
+    cpus = max(os.cpu_count() or 1, 16)
+    mem_mb = max(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2**20, 40000)
+    return f"""{MARKER}
+ClusterName=dpadapter-test
+SlurmctldHost={host}(127.0.0.1)
+SlurmctldPort={ctld_port}
+SlurmdPort={slurmd_port}
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+CredType=cred/munge
+MpiDefault=none
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core_Memory
+DefMemPerCPU=1000
+SchedulerType=sched/builtin
+# jobs stay visible to squeue this long after they end (the executor's status source)
+MinJobAge=600
+ReturnToService=2
+AccountingStorageType=accounting_storage/none
+JobAcctGatherType=jobacct_gather/none
+JobCompType=jobcomp/none
+StateSaveLocation={state}/ctld
+SlurmdSpoolDir={state}/spool
+SlurmctldPidFile={state}/slurmctld.pid
+SlurmdPidFile={state}/slurmd.pid
+SlurmctldLogFile={state}/slurmctld.log
+SlurmdLogFile={state}/slurmd.log
+GresTypes=gpu
+SlurmdParameters=config_overrides
+NodeName={host} NodeAddr=127.0.0.1 CPUs={cpus} RealMemory={mem_mb} Gres=gpu:2 State=UNKNOWN
+"""
+
+
+def _partition_lines(host: str) -> str:
+    """Every partition the profile names (the GPU and the CPU one), all on the one node."""
+    names = {_value(PROFILE["default-resources"]["slurm_partition"])}
+    names |= {
+        _value(r["slurm_partition"])
+        for r in PROFILE["set-resources"].values()
+        if "slurm_partition" in r
+    }
+    return "".join(
+        f"PartitionName={n} Nodes={host} MaxTime=INFINITE State=UP\n" for n in sorted(names)
+    )
+
+
+def _munge_works() -> bool:
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        enc = _run(["munge", "-n"], timeout=10)
+        if enc.returncode == 0:
+            return _run(["unmunge"], input=enc.stdout, timeout=10).returncode == 0
+    return False
+
+
+@pytest.fixture(scope="module")
+def slurm_cluster(tmp_path_factory):
+    """A running one-node Slurm cluster on localhost; yields the state directory."""
+    if not sys.platform.startswith("linux"):
+        pytest.skip("Slurm daemons run on Linux only")
+    if os.geteuid() != 0:
+        pytest.skip("starting munged, slurmctld and slurmd needs root")
+    require_debian_packages(["slurm-wlm", "munge"], [*SLURM_BINARIES, "munged", "munge"])
+    with file_lock(Path("/tmp/dpadapter-tests-slurm.lock"), timeout_s=1800) as locked:
+        if not locked:
+            pytest.skip("another test process has been running the test cluster for 30 min")
+        foreign = [p for p in CONF_FILES if p.exists() and MARKER not in p.read_text()]
+        if foreign:
+            pytest.skip(f"{foreign[0]} belongs to a real Slurm installation; not replacing it")
+        yield from _cluster(tmp_path_factory.mktemp("slurm"))
+
+
+def _cluster(state: Path):
+    host = socket.gethostname().split(".")[0]
+    ports = [p for p in range(16817, 16900) if not port_in_use(p)][:2]
+    (state / "ctld").mkdir()
+    (state / "spool").mkdir()
+    started: list[subprocess.Popen] = []
+    try:
+        # munge: socket folder world-executable, else slurmd's job steps cannot authenticate.
+        run_munge = Path("/run/munge")
+        run_munge.mkdir(mode=0o755, parents=True, exist_ok=True)
+        shutil.chown(run_munge, "munge", "munge")
+        run_munge.chmod(0o755)
+        if not _munge_works():
+            if not Path("/etc/munge/munge.key").exists():
+                subprocess.run(["mungekey", "--create"], check=True, user="munge")
+            munged = start_daemon(
+                ["munged", "--foreground"], state / "munged.out", user="munge", group="munge"
+            )
+            started.append(munged)
+            wait_until(_munge_works, 30, "munged", log=state / "munged.out")
+        Path("/etc/slurm").mkdir(exist_ok=True)
+        CONF_FILES[0].write_text(_slurm_conf(host, state, *ports) + _partition_lines(host))
+        CONF_FILES[1].write_text(
+            f"{MARKER}\nAutoDetect=off\nName=gpu File=/dev/null\nName=gpu File=/dev/zero\n"
+        )
+        started.append(start_daemon(["slurmctld", "-D", "-i"], state / "slurmctld.out"))
+        started.append(start_daemon(["slurmd", "-D", "-N", host], state / "slurmd.out"))
+
+        def idle() -> bool:
+            r = _run(["sinfo", "-h", "-N", "-o", "%t"], timeout=10)
+            return r.returncode == 0 and set(r.stdout.split()) == {"idle"}
+
+        wait_until(idle, 90, "the node to be idle", log=state / "slurmctld.log")
+        yield state
+    finally:
+        with contextlib.suppress(Exception):
+            _run(["scancel", "--user", getpass.getuser()], timeout=30)
+            wait_until(lambda: _run(["squeue", "-h", "-t", "R,CG,PD"]).stdout == "", 60, "jobs")
+        for proc in reversed(started):
+            stop_daemon(proc)
+        for p in CONF_FILES:  # only ours: the fixture skips when a file it did not write exists
+            if p.exists() and MARKER in p.read_text():
+                p.unlink()
+        assert all(proc.poll() is not None for proc in started)
+
+
+def _jobs() -> list[dict[str, str]]:
+    """Every job the test cluster has seen (`scontrol show job -o`: one line of KEY=VALUE each)."""
+    out = _run(["scontrol", "show", "job", "-o"]).stdout
+    return [
+        dict(tok.split("=", 1) for tok in line.split() if "=" in tok)
+        for line in out.splitlines()
+        if line.startswith("JobId=")
+    ]
+
+
+def _value(expr) -> object:
+    """A profile resource value: a Python expression, possibly of `attempt` (first attempt)."""
+    return eval(str(expr), {"attempt": 1})
+
+
+def _minutes(limit: str) -> int:
+    days, _, hms = limit.rpartition("-")
+    h, m, s = (int(x) for x in hms.split(":"))
+    return (int(days) if days else 0) * 1440 + h * 60 + m + (s > 0)
+
+
+def test_profile_runs_the_pipeline_through_sbatch(slurm_cluster, tiny_raw, tmp_path):
+    # Two upstream methods (one needs the warm-up), one task, one epsilon: 6 jobs, all rules.
+    raw = tiny_raw
+    raw["tasks"] = {"syn-shift": raw["tasks"]["syn-shift"]}
+    raw["finetune"]["epsilons"] = [4]
+    raw["finetune"]["epochs"] = 1
+    wd = tiny_workdir(tmp_path / "wd", raw)
+    # `snakemake --profile slurm` from a repository root (a stand-in holding the profile, so
+    # nothing is written into the real one), working directory elsewhere.
+    root = tmp_path / "root"
+    root.mkdir()
+    (root / "slurm").symlink_to(REPO / "slurm")
+    cmd = [
+        str(VENV_BIN / "snakemake"), "--profile", "slurm",
+        "--snakefile", str(REPO / "Snakefile"), "--directory", str(wd),
+        # What this test cluster needs beyond the profile: no slurmdbd, so squeue reports job
+        # states; fast polling for short jobs; logs kept for the checks below; fail fast.
+        "--slurm-status-command", "squeue", "--slurm-init-seconds-before-status-checks", "1",
+        "--seconds-between-status-checks", "1", "--slurm-keep-successful-logs",
+        "--jobs", "2", "--retries", "0", "--latency-wait", "10",
+        # the pipeline up to its summary table (not the figures drawn from it)
+        "results/summary/finetune.csv", "results/summary/finetune.md",
+    ]  # fmt: skip
+    r = subprocess.run(cmd, cwd=root, env=job_env(wd), capture_output=True, text=True, timeout=1200)
+    log = r.stdout + r.stderr
+    assert r.returncode == 0, log[-6000:]
+
+    # Every job went through sbatch, with the resources the profile sets for its rule.
+    submitted = re.findall(r"has been submitted with SLURM jobid (\d+)", log)
+    jobs = {j["JobId"]: j for j in _jobs()}
+    assert sorted(submitted) == sorted(jobs), (submitted, sorted(jobs))
+    assert all(j["JobState"] == "COMPLETED" for j in jobs.values()), jobs
+    comments = {j["Comment"] for j in jobs.values()}
+    assert comments == {
+        "rule_warmup",
+        "rule_pretrain_wildcards_scratch",
+        "rule_pretrain_wildcards_standard",
+        "rule_finetune_wildcards_scratch_syn-shift_dpsgd_4_0",
+        "rule_finetune_wildcards_standard_syn-shift_dpsgd_4_0",
+        "rule_aggregate",
+    }
+    defaults, per_rule = PROFILE["default-resources"], PROFILE["set-resources"]
+    for job in jobs.values():
+        rule = job["Comment"].removeprefix("rule_").split("_wildcards_")[0]
+        wants_gpu = "gpu" in job.get("TresPerJob", "")
+        res = {**defaults, **per_rule.get(rule, {})}
+        assert job["Partition"] == _value(res["slurm_partition"]), job
+        assert job["Partition"] == ("gpu" if wants_gpu else "cpu"), job
+        assert job["Account"] == _value(res["slurm_account"])
+        if rule not in per_rule or "runtime" not in per_rule[rule]:
+            continue  # a rule the profile does not size keeps its own resources
+        assert wants_gpu == bool(res["gpu"]), job
+        if wants_gpu:
+            assert job["TresPerJob"] in ("gres:gpu:1", "gres/gpu:1"), job
+        assert _minutes(job["TimeLimit"]) == _value(res["runtime"])
+        assert job["MinMemoryNode"] == f"{_value(res['mem_mb'])}M"
+        assert int(job["NumCPUs"]) == PROFILE["set-threads"][rule]
+    slurm_logs = list((wd / ".snakemake" / "slurm_logs").rglob("*.log"))
+    assert sorted(p.stem for p in slurm_logs) == sorted(jobs)
+
+    # The results are those of the pipeline: the summary table, one MLflow run per job ...
+    rows = list(csv.DictReader(open(wd / "results" / "summary" / "finetune.csv")))
+    assert {(row["upstream"], row["task"], row["epsilon"]) for row in rows} == {
+        ("scratch", "syn-shift", "4"),
+        ("standard", "syn-shift", "4"),
+    }
+    import mlflow
+
+    mlflow.set_tracking_uri(f"sqlite:///{wd / 'mlruns.db'}")
+    runs = mlflow.search_runs(experiment_names=[raw["tracking"]["experiment"]])
+    assert sorted(runs["tags.rule"]) == ["finetune", "finetune", "pretrain", "pretrain", "warmup"]
+    assert set(runs["status"]) == {"FINISHED"}
+
+    # ... and the same numbers a local run of a job computes from the same checkpoint.
+    job_dir = Path("results/finetune/standard/syn-shift/dpsgd/eps4/seed0")
+    on_slurm = json.loads((wd / job_dir / "metrics.json").read_text())
+    assert on_slurm["privacy"]["epsilon"] <= 4
+    ft_log = next(p for p in slurm_logs if "standard_syn-shift" in str(p))
+    threads = re.search(r"DPADAPTER_THREADS=(\d+) \S+ -m dpadapter", ft_log.read_text()).group(1)
+    config = re.search(r"--config (\S+) finetune", ft_log.read_text()).group(1)
+    local = subprocess.run(
+        [
+            sys.executable, "-m", "dpadapter", "--config", config, "finetune",
+            "--upstream", "standard", "--task", "syn-shift", "--algo", "dpsgd", "--eps", "4",
+            "--seed", "0", "--ckpt", "results/pretrain/standard/model.pt", "--out", "local",
+        ],
+        cwd=wd, env=job_env(wd, DPADAPTER_THREADS=threads, MLFLOW_TRACKING_URI="sqlite:///local.db"),
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert local.returncode == 0, local.stderr[-3000:]
+    here = json.loads((wd / "local" / "metrics.json").read_text())
+    assert here["privacy"] == on_slurm["privacy"]
+    assert here["test_accuracy"] == on_slurm["test_accuracy"]
+    w_here = torch.load(wd / "local" / "model.pt", weights_only=False)["state_dict"]
+    w_slurm = torch.load(wd / job_dir / "model.pt", weights_only=False)["state_dict"]
+    assert all(torch.allclose(w_here[k], w_slurm[k], atol=1e-6) for k in w_slurm)

@@ -1,0 +1,116 @@
+"""The Slurm profile without a Slurm: every entry explained, every GPU rule sent to a GPU
+partition, and the resources Snakemake gives each job (dry run) are the profile's."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+from cluster_helpers import REPO, VENV_BIN, job_env, tiny_workdir
+
+PROFILE_FILE = REPO / "slurm" / "config.yaml"
+PROFILE = yaml.safe_load(PROFILE_FILE.read_text())
+KEY = re.compile(r"^\s*[A-Za-z_][\w-]*:")
+
+
+def _value(expr):
+    return eval(str(expr), {"attempt": 1})
+
+
+def test_every_entry_is_commented():
+    bare = [
+        f"{i}: {line}"
+        for i, line in enumerate(PROFILE_FILE.read_text().splitlines(), 1)
+        if KEY.match(line) and "#" not in line
+    ]
+    assert not bare, "profile entries without a comment:\n" + "\n".join(bare)
+
+
+def test_profile_settings():
+    assert PROFILE["executor"] == "slurm"
+    assert PROFILE["latency-wait"] >= 60, "network file systems need a latency wait"
+    assert PROFILE["retries"] >= 1
+    default = PROFILE["default-resources"]
+    assert _value(default["slurm_account"]) and _value(default["slurm_partition"])
+    per_rule = PROFILE["set-resources"]
+    for rule in ("warmup", "pretrain", "finetune"):
+        assert per_rule[rule]["gpu"] == 1
+        assert _value(per_rule[rule]["slurm_partition"]) != _value(default["slurm_partition"])
+        assert {"runtime", "mem_mb"} <= set(per_rule[rule])
+    assert per_rule["aggregate"]["gpu"] == 0 and "slurm_partition" not in per_rule["aggregate"]
+
+
+def _gpu_rules() -> set[str]:
+    """Rules whose `resources:` in workflow/rules/*.smk ask for a GPU."""
+    found, rule = set(), None
+    for smk in sorted((REPO / "workflow" / "rules").glob("*.smk")):
+        for line in smk.read_text().splitlines():
+            if m := re.match(r"^(?:rule|checkpoint) (\w+):", line):
+                rule = m.group(1)
+            elif rule and re.match(r"^\s+gpu\s*=\s*[1-9]", line):
+                found.add(rule)
+    return found
+
+
+def test_every_gpu_rule_goes_to_a_gpu_partition():
+    default = _value(PROFILE["default-resources"]["slurm_partition"])
+    gpu_rules = _gpu_rules()
+    assert {"warmup", "pretrain", "finetune"} <= gpu_rules
+    missing = sorted(
+        rule
+        for rule in gpu_rules
+        if _value(PROFILE["set-resources"].get(rule, {}).get("slurm_partition", repr(default)))
+        == default
+    )
+    assert not missing, f"GPU rules left on the CPU partition {default!r}: {missing}"
+
+
+def _dry_run_jobs(output: str) -> list[tuple[str, int, dict[str, str]]]:
+    """(rule, threads, resources) of every job a dry run prints."""
+    jobs = []
+    for block in re.split(r"\n(?=rule \w+:)", output):
+        m = re.match(r"rule (\w+):", block)
+        res = re.search(r"^\s+resources: (.*)$", block, re.M)
+        if not m or not res:
+            continue
+        threads = re.search(r"^\s+threads: (\d+)$", block, re.M)
+        resources = dict(kv.split("=", 1) for kv in res.group(1).split(", "))
+        jobs.append((m.group(1), int(threads.group(1)) if threads else 1, resources))
+    return jobs
+
+
+@pytest.mark.slow
+def test_dry_run_jobs_get_the_profile_resources(tiny_raw, tmp_path):
+    wd = tiny_workdir(tmp_path / "wd", tiny_raw)
+    root = tmp_path / "root"
+    root.mkdir()
+    (root / "slurm").symlink_to(REPO / "slurm")  # `--profile slurm` from a repository root
+    r = subprocess.run(
+        [str(VENV_BIN / "snakemake"), "--profile", "slurm", "-n",
+         "--snakefile", str(REPO / "Snakefile"), "--directory", str(wd)],
+        cwd=root, env=job_env(wd), capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    jobs = _dry_run_jobs(r.stdout + r.stderr)
+    seen = {rule for rule, _, _ in jobs}
+    assert {"warmup", "pretrain", "finetune", "aggregate"} <= seen
+    default = PROFILE["default-resources"]
+    for rule, threads, res in jobs:
+        if rule not in PROFILE["set-resources"]:
+            continue
+        want = {**default, **PROFILE["set-resources"][rule]}
+        assert res["slurm_partition"] == _value(want["slurm_partition"]), rule
+        assert res["slurm_account"] == _value(want["slurm_account"]), rule
+        assert int(res["runtime"]) == _value(want["runtime"]), rule
+        assert int(res["mem_mb"]) == _value(want["mem_mb"]), rule
+        assert int(res.get("gpu", 0)) == want.get("gpu", 0), rule
+        assert threads == min(PROFILE["set-threads"][rule], PROFILE["cores"]), rule
+
+
+def test_profile_dir_is_found_from_the_repository_root():
+    """`snakemake --profile slurm` looks for ./slurm/config.yaml (or profile.yaml)."""
+    assert Path(REPO / "slurm" / "config.yaml").is_file()
+    assert not (REPO / "slurm" / "profile.yaml").exists(), "two profile files would be ambiguous"

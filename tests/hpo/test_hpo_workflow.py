@@ -1,0 +1,71 @@
+"""The HPO rules in the Snakemake DAG: its own target, the expected jobs, not part of `all`."""
+
+import copy
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+from tiny_config import TINY_RAW
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _dry_run(wd: Path, *targets: str) -> str:
+    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{wd / 'mlruns.db'}"}
+    cmd = [sys.executable, "-m", "snakemake", "--snakefile", str(REPO / "Snakefile"),
+           "--directory", str(wd), "--cores", "2", "-n", *targets]  # fmt: skip
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r.stdout + r.stderr
+
+
+def _counts(out: str) -> dict[str, int]:
+    counts = {}
+    in_stats = False
+    for line in out.splitlines():
+        if line.startswith("job ") and "count" in line:
+            in_stats = True
+            continue
+        if in_stats:
+            parts = line.split()
+            if len(parts) == 2 and parts[1].isdigit():
+                counts[parts[0]] = int(parts[1])
+            elif parts and parts[0] == "total":
+                break
+    return counts
+
+
+def test_hpo_target_schedules_trials_sweeps_baselines_and_summary(tmp_path):
+    raw = copy.deepcopy(TINY_RAW)
+    raw["hpo"] = {
+        "upstreams": ["scratch"],
+        "tasks": ["syn-shift"],
+        "seeds": [0, 1],
+        "sweep_epsilons": [0.2, 0.4, 0.6],
+        "trials_per_sweep": 2,
+        "fit": "quadratic",
+        "target_epsilon": 2.0,
+        "grid_size": 4,
+    }
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(raw))
+    c = _counts(_dry_run(tmp_path, "hpo"))
+    # per seed: 3 sweeps x 2 trials, 3 selections; one grid of 4 points shared by the seeds
+    assert c["hpo_plan"] == 2 and c["hpo_trial"] == 12 and c["hpo_sweep"] == 6
+    assert c["hpo_fit"] == 2 and c["hpo_final"] == 2 and c["random_search"] == 2
+    assert c["grid_run"] == 4 and c["grid_oracle"] == 1 and c["hpo_summary"] == 1
+    assert c["pretrain"] == 1 and "warmup" not in c and "finetune" not in c
+
+
+def test_hpo_is_not_part_of_the_default_target():
+    text = (REPO / "Snakefile").read_text()
+    assert 'include: "workflow/rules/hpo.smk"' in text
+    lines = text[text.index("rule all:") :].splitlines()
+    block = [lines[0]]
+    for line in lines[1:]:
+        if line and not line[0].isspace():
+            break
+        block.append(line)
+    rule_all = "\n".join(block)
+    assert "hpo" not in rule_all and "default_target: True" in rule_all

@@ -1,0 +1,87 @@
+# DP federated fine-tuning (Pretrain-DPFL): {upstream} x {scratch, ht, ft, ut} x {mechanism} x
+# {eps} x {rounds} x {seed}; `scratch` runs once on the random-init checkpoint. Not part of `all`:
+# `snakemake federated` (or `make federated`) builds it.
+
+FED_METRICS = [
+    f"{RESULTS}/federated/{u}/{s}/{m}/eps{e:g}/T{t}/seed{seed}/metrics.json"
+    for u, s, m, e, t, seed in CFG.federated.jobs(CFG.upstreams)
+]
+# What a federated job depends on besides its wildcards and checkpoint: the federated section
+# without its grid lists (adding an epsilon or a seed re-runs nothing), data, tasks, privacy.
+_FED_GRID = {"upstreams", "strategies", "mechanisms", "seeds", "rounds_sweep", "sweep_epsilons",
+             "sweep_seeds"}
+FED_FP = fingerprint("data", "tasks", "privacy") + json.dumps(
+    {
+        k: ({kk: vv for kk, vv in v.items() if kk != "epsilons"} if isinstance(v, dict) else v)
+        for k, v in config.get("federated", {}).items()
+        if k not in _FED_GRID
+    },
+    sort_keys=True,
+    default=str,
+)
+
+
+rule federated_run:
+    """One DP federated fine-tuning run: every client clips and noises its own updates."""
+    input:
+        # ancient(): a checkpoint restored by `dvc pull` is newer than what was built from it.
+        ckpt=ancient(f"{RESULTS}/pretrain/{{upstream}}/model.pt"),
+    output:
+        metrics=f"{RESULTS}/federated/{{upstream}}/{{strategy}}/{{mechanism}}/eps{{eps}}/T{{rounds}}/seed{{seed}}/metrics.json",
+    wildcard_constraints:
+        strategy="scratch|ht|ft|ut",
+        mechanism="gaussian|laplace",
+        rounds="[0-9]+",
+    params:
+        fp=lambda wc: FED_FP + pretrain_fingerprint(wc),
+        python=python_exe,
+        config=config_file,
+        out=lambda wc, output: str(Path(output.metrics).parent),
+    log:
+        "logs/federated/{upstream}/{strategy}/{mechanism}/eps{eps}/T{rounds}/seed{seed}.log",
+    benchmark:
+        "benchmarks/federated/{upstream}/{strategy}/{mechanism}/eps{eps}/T{rounds}/seed{seed}.tsv"
+    conda:
+        "../../envs/pipeline.yaml"
+    threads: 1
+    resources:
+        gpu=0,  # the simulation runs on the CPU
+        mem_mb=2000,
+        runtime=60,
+    shell:
+        "DPADAPTER_THREADS={threads} {params.python} -m dpadapter --config {params.config} "
+        "federated run --upstream {wildcards.upstream} --strategy {wildcards.strategy} "
+        "--mechanism {wildcards.mechanism} --eps {wildcards.eps} --rounds {wildcards.rounds} "
+        "--seed {wildcards.seed} --ckpt {input.ckpt} --out {params.out} > {log} 2>&1"
+
+
+rule federated_summary:
+    """federated.csv, the T1 rule's hit rate, and the Fig. 1-3 analogues."""
+    input:
+        FED_METRICS,
+    output:
+        csv=f"{RESULTS}/summary/federated.csv",
+        rule=f"{RESULTS}/summary/federated_rule.json",
+        eps=f"{RESULTS}/summary/federated_accuracy_vs_epsilon.png",
+        rounds=f"{RESULTS}/summary/federated_accuracy_vs_rounds.png",
+    params:
+        python=python_exe,
+        config=config_file,
+    log:
+        "logs/federated_summary.log",
+    conda:
+        "../../envs/pipeline.yaml"
+    resources:
+        gpu=0,
+        mem_mb=1000,
+        runtime=10,
+    shell:
+        "{params.python} -m dpadapter --config {params.config} federated summary "
+        "--metrics {input} --csv {output.csv} --rule {output.rule} --fig-eps {output.eps} "
+        "--fig-rounds {output.rounds} > {log} 2>&1"
+
+
+rule federated:
+    """Target: the whole federated grid and its summary (not part of `all`)."""
+    input:
+        rules.federated_summary.output,

@@ -1,0 +1,251 @@
+# Private HPO with the linear scaling rule (src/dpadapter/hpo). Not part of `all`: run the
+# `hpo` target (`make hpo`). Per (upstream, task, algorithm, seed) of the `hpo` config section:
+#
+#   hpo_plan      every privacy parameter fixed before data is read; MLflow parent run
+#   hpo_trial     n trials per sweep budget (eps1, eps2[, eps3]), scored on validation
+#   hpo_sweep     private selection of each sweep's best r
+#   hpo_fit       r(eps) through the best r's; r* for the final budget, clamped to the grid
+#   hpo_final     train at e_f with r*; PLD total of trials + selections + final <= target
+#   random_search one run at a random r with the whole budget (baseline)
+#   grid_run      every r of the grid at the whole budget; grid_oracle picks the best (one
+#                 grid per upstream/task/algorithm, trained with the first HPO seed's plan)
+#   hpo_summary   results/summary/hpo.{csv,md} (Table 3 analogue, RERR)
+from dpadapter.hpo import jobs as _hpo_jobs
+
+HPO_JOBS = _hpo_jobs(CFG)
+HPO_GRID_DIR = f"{RESULTS}/hpo/{{upstream}}/{{task}}/{{algo}}"
+HPO_DIR = f"{HPO_GRID_DIR}/seed{{seed}}"
+HPO_GRID_PLAN = f"{HPO_GRID_DIR}/seed{CFG.hpo.seeds[0]}/plan.json"
+HPO_LOG = "logs/hpo/{upstream}/{task}/{algo}/seed{seed}"
+HPO_BENCH = "benchmarks/hpo/{upstream}/{task}/{algo}/seed{seed}"
+HPO_SWEEPS = range(len(CFG.hpo.sweep_epsilons))
+HPO_TRIALS = range(CFG.hpo.trials_per_sweep)
+HPO_POINTS = range(CFG.hpo.grid_size)
+
+
+def _hpo_expand(pattern):
+    return list(
+        dict.fromkeys(
+            pattern.format(upstream=u, task=t, algo=a, seed=s) for u, t, a, s in HPO_JOBS
+        )
+    )
+
+
+def _hpo_fp(wc):
+    return fingerprint("data", "finetune", "privacy", "hpo") + json.dumps(
+        config["tasks"][wc.task], sort_keys=True
+    )
+
+
+def _trial_paths(wc, sweeps=None):
+    d = HPO_DIR.format(upstream=wc.upstream, task=wc.task, algo=wc.algo, seed=wc.seed)
+    ks = HPO_SWEEPS if sweeps is None else sweeps
+    return [f"{d}/trials/s{k}/t{i}/metrics.json" for k in ks for i in HPO_TRIALS]
+
+
+rule hpo_plan:
+    """Trials' (r, lr, T) from the seed, their planned sigma, and the final budget e_f."""
+    output:
+        plan=f"{HPO_DIR}/plan.json",
+    params:
+        fp=_hpo_fp,
+    log:
+        f"{HPO_LOG}/plan.log",
+    threads: 1
+    resources:
+        gpu=0,
+        mem_mb=2000,
+        runtime=30,
+    shell:
+        "DPADAPTER_THREADS={threads} {PYTHON} -m dpadapter --config {CONFIG_FILE} hpo plan "
+        "--upstream {wildcards.upstream} --task {wildcards.task} --algo {wildcards.algo} "
+        "--seed {wildcards.seed} --out {output.plan} > {log} 2>&1"
+
+
+rule hpo_trial:
+    """One trial of sweep {sweep} (its budget is hpo.sweep_epsilons[sweep])."""
+    wildcard_constraints:
+        sweep="[0-9]+",
+        trial="[0-9]+",
+    input:
+        plan=f"{HPO_DIR}/plan.json",
+        ckpt=f"{RESULTS}/pretrain/{{upstream}}/model.pt",
+    output:
+        metrics=f"{HPO_DIR}/trials/s{{sweep}}/t{{trial}}/metrics.json",
+    params:
+        out=lambda wc, output: str(Path(output.metrics).parent),
+    log:
+        f"{HPO_LOG}/trials/s{{sweep}}/t{{trial}}.log",
+    benchmark:
+        f"{HPO_BENCH}/trials/s{{sweep}}/t{{trial}}.tsv"
+    threads: 1
+    resources:
+        gpu=1,
+        mem_mb=4000,
+        runtime=60,
+    shell:
+        "DPADAPTER_THREADS={threads} {PYTHON} -m dpadapter --config {CONFIG_FILE} hpo trial "
+        "--plan {input.plan} --sweep {wildcards.sweep} --trial {wildcards.trial} "
+        "--ckpt {input.ckpt} --out {params.out} > {log} 2>&1"
+
+
+rule hpo_sweep:
+    """Private selection (hpo.selection) of sweep {sweep}'s best trial."""
+    wildcard_constraints:
+        sweep="[0-9]+",
+    input:
+        plan=f"{HPO_DIR}/plan.json",
+        trials=lambda wc: _trial_paths(wc, [int(wc.sweep)]),
+    output:
+        sweep=f"{HPO_DIR}/sweep{{sweep}}.json",
+    log:
+        f"{HPO_LOG}/sweep{{sweep}}.log",
+    resources:
+        gpu=0,
+        mem_mb=1000,
+        runtime=5,
+    shell:
+        "{PYTHON} -m dpadapter --config {CONFIG_FILE} hpo sweep --plan {input.plan} "
+        "--sweep {wildcards.sweep} --trials {input.trials} --out {output.sweep} > {log} 2>&1"
+
+
+rule hpo_fit:
+    """r(eps) through the sweeps' best r (hpo.fit); r* at the final budget, clamped."""
+    input:
+        plan=f"{HPO_DIR}/plan.json",
+        sweeps=expand(f"{HPO_DIR}/sweep{{k}}.json", k=HPO_SWEEPS, allow_missing=True),
+    output:
+        fit=f"{HPO_DIR}/fit.json",
+    log:
+        f"{HPO_LOG}/fit.log",
+    resources:
+        gpu=0,
+        mem_mb=1000,
+        runtime=5,
+    shell:
+        "{PYTHON} -m dpadapter --config {CONFIG_FILE} hpo fit --plan {input.plan} "
+        "--sweeps {input.sweeps} --out {output.fit} > {log} 2>&1"
+
+
+rule hpo_final:
+    """The final run at e_f with r*; its metrics.json carries the HPO's total epsilon."""
+    input:
+        plan=f"{HPO_DIR}/plan.json",
+        fit=f"{HPO_DIR}/fit.json",
+        sweeps=expand(f"{HPO_DIR}/sweep{{k}}.json", k=HPO_SWEEPS, allow_missing=True),
+        trials=_trial_paths,
+        ckpt=f"{RESULTS}/pretrain/{{upstream}}/model.pt",
+    output:
+        metrics=f"{HPO_DIR}/linear_scaling/metrics.json",
+        model=f"{HPO_DIR}/linear_scaling/model.pt",
+    params:
+        out=lambda wc, output: str(Path(output.metrics).parent),
+    log:
+        f"{HPO_LOG}/final.log",
+    benchmark:
+        f"{HPO_BENCH}/final.tsv"
+    threads: 1
+    resources:
+        gpu=1,
+        mem_mb=4000,
+        runtime=60,
+    shell:
+        "DPADAPTER_THREADS={threads} {PYTHON} -m dpadapter --config {CONFIG_FILE} hpo final "
+        "--plan {input.plan} --fit {input.fit} --sweeps {input.sweeps} --trials {input.trials} "
+        "--ckpt {input.ckpt} --out {params.out} > {log} 2>&1"
+
+
+rule random_search:
+    """Baseline: one run with the whole budget at a random r of the same grid."""
+    input:
+        plan=f"{HPO_DIR}/plan.json",
+        ckpt=f"{RESULTS}/pretrain/{{upstream}}/model.pt",
+    output:
+        metrics=f"{HPO_DIR}/random_search/metrics.json",
+        model=f"{HPO_DIR}/random_search/model.pt",
+    params:
+        out=lambda wc, output: str(Path(output.metrics).parent),
+    log:
+        f"{HPO_LOG}/random_search.log",
+    benchmark:
+        f"{HPO_BENCH}/random_search.tsv"
+    threads: 1
+    resources:
+        gpu=1,
+        mem_mb=4000,
+        runtime=60,
+    shell:
+        "DPADAPTER_THREADS={threads} {PYTHON} -m dpadapter --config {CONFIG_FILE} hpo "
+        "random-search --plan {input.plan} --ckpt {input.ckpt} --out {params.out} > {log} 2>&1"
+
+
+rule grid_run:
+    """One point of the r grid at the whole budget (a candidate of the oracle)."""
+    wildcard_constraints:
+        point="[0-9]+",
+    input:
+        plan=HPO_GRID_PLAN,
+        ckpt=f"{RESULTS}/pretrain/{{upstream}}/model.pt",
+    output:
+        metrics=f"{HPO_GRID_DIR}/grid/p{{point}}/metrics.json",
+    params:
+        out=lambda wc, output: str(Path(output.metrics).parent),
+    log:
+        "logs/hpo/{upstream}/{task}/{algo}/grid/p{point}.log",
+    benchmark:
+        "benchmarks/hpo/{upstream}/{task}/{algo}/grid/p{point}.tsv"
+    threads: 1
+    resources:
+        gpu=1,
+        mem_mb=4000,
+        runtime=60,
+    shell:
+        "DPADAPTER_THREADS={threads} {PYTHON} -m dpadapter --config {CONFIG_FILE} hpo grid-run "
+        "--plan {input.plan} --point {wildcards.point} --ckpt {input.ckpt} --out {params.out} "
+        "> {log} 2>&1"
+
+
+rule grid_oracle:
+    """Baseline: the best grid point (raw validation; tuning cost NOT accounted, labelled)."""
+    input:
+        plan=HPO_GRID_PLAN,
+        runs=expand(f"{HPO_GRID_DIR}/grid/p{{j}}/metrics.json", j=HPO_POINTS, allow_missing=True),
+    output:
+        oracle=f"{HPO_GRID_DIR}/grid_oracle.json",
+    log:
+        "logs/hpo/{upstream}/{task}/{algo}/grid_oracle.log",
+    resources:
+        gpu=0,
+        mem_mb=1000,
+        runtime=5,
+    shell:
+        "{PYTHON} -m dpadapter --config {CONFIG_FILE} hpo grid-oracle --plan {input.plan} "
+        "--runs {input.runs} --out {output.oracle} > {log} 2>&1"
+
+
+rule hpo_summary:
+    """results/summary/hpo.{csv,md}: linear scaling vs random search vs grid oracle, RERR."""
+    input:
+        final=_hpo_expand(f"{HPO_DIR}/linear_scaling/metrics.json"),
+        random=_hpo_expand(f"{HPO_DIR}/random_search/metrics.json"),
+        oracle=_hpo_expand(f"{HPO_GRID_DIR}/grid_oracle.json"),
+    output:
+        csv=f"{RESULTS}/summary/hpo.csv",
+        md=f"{RESULTS}/summary/hpo.md",
+    log:
+        "logs/hpo/summary.log",
+    resources:
+        gpu=0,
+        mem_mb=1000,
+        runtime=5,
+    shell:
+        "{PYTHON} -m dpadapter --config {CONFIG_FILE} hpo summary --final {input.final} "
+        "--random {input.random} --oracle {input.oracle} --csv {output.csv} --md {output.md} "
+        "> {log} 2>&1"
+
+
+rule hpo:
+    """Target: the HPO comparison (not part of `all`)."""
+    input:
+        f"{RESULTS}/summary/hpo.csv",
+        f"{RESULTS}/summary/hpo.md",
