@@ -3,9 +3,11 @@
 In a temporary git repository holding a copy of the project with the tiny config:
 `dvc repro` (each stage runs its Snakemake target), `dvc push` to the default remote (a local
 folder), then outputs, DVC cache and Snakemake metadata are deleted (a fresh clone).
-`dvc pull` of the warm-up and pre-training stages restores the checkpoints, after which
-`snakemake -n` schedules no warm-up or pre-training job, even with the pulled files' times in
-the worst order, and fine-tuning from the pulled checkpoints reproduces the first results.
+`dvc pull` of the warm-up and pre-training stages restores the checkpoints with modification
+times in no particular order (here: the worst one, the warm-up newest). The documented step
+(docs/cluster.md) `snakemake --touch --until pretrain` records them as up to date, after which
+`snakemake -n` schedules no warm-up or pre-training job, and fine-tuning from the pulled
+checkpoints reproduces the first results.
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ def _finetune_results(results: Path) -> dict[str, tuple[dict, dict]]:
     return out
 
 
-def test_dvc_pull_then_snakemake_retrains_nothing(tiny_raw, tmp_path):
+def test_dvc_pull_then_snakemake_retrains_no_checkpoint(tiny_raw, tmp_path):
     raw = tiny_raw
     raw["tasks"] = {"syn-shift": raw["tasks"]["syn-shift"]}
     raw["finetune"]["epsilons"] = [4]
@@ -98,12 +100,18 @@ def test_dvc_pull_then_snakemake_retrains_nothing(tiny_raw, tmp_path):
     assert "warmup" not in _run([dvc, "status", "warmup", "pretrain"], repo, env).replace(
         "Data and pipelines are up to date", ""
     )
-    # Worst case of the order the files came back in: the warm-up newest of all.
-    future = time.time() + 60
+    # The worst order the files can come back in: the warm-up newer than what was built on it.
+    now = time.time()
+    for p in (repo / "results" / "pretrain").rglob("*.*"):
+        os.utime(p, (now - 120, now - 120))
     for p in (repo / "results" / "warmup").iterdir():
-        os.utime(p, (future, future))
+        os.utime(p, (now - 60, now - 60))
+    jobs = _job_counts(_run([smk, "-n", "--cores", "2"], repo, env))
+    assert jobs.get("pretrain") == 1, f"file times alone would re-train 'standard': {jobs}"
 
-    # 3. Snakemake trusts the pulled checkpoints: only fine-tuning and what follows it is left.
+    # 3. The documented step after a pull: mark the pulled checkpoints up to date, in the order
+    # Snakemake builds them. Then only fine-tuning and what follows it is left.
+    _run([smk, "--touch", "--cores", "1", "--until", "pretrain"], repo, env)
     jobs = _job_counts(_run([smk, "-n", "--cores", "2"], repo, env))
     assert "warmup" not in jobs and "pretrain" not in jobs, jobs
     assert jobs.get("finetune") == 2, jobs

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from snakemake.exceptions import WorkflowError
+from snakemake.settings.types import DeploymentMethod
 
 from dpadapter.config import ConfigError, from_dict
 from dpadapter.upstream import UPSTREAMS as _UPSTREAM_REGISTRY
@@ -50,6 +51,9 @@ def fingerprint(*keys):
 # trigger: the interpreter path differs between machines and the content-addressed config file
 # changes with any config section, while what a job depends on is its `fp` param.
 def python_exe(wildcards, input):
+    """The driver's interpreter (the .venv); under `--sdm conda`, that of the job's env."""
+    if DeploymentMethod.CONDA in workflow.deployment_settings.deployment_method:
+        return "python"
     return PYTHON
 
 
@@ -63,10 +67,6 @@ def out_dir(wildcards, output):
 
 
 # Fingerprints and inputs of the rules, kept here (the linter wants no functions in rule files).
-# A job's fingerprint includes that of the checkpoint it starts from: the checkpoints are read
-# through ancient() (so that `dvc pull` does not make them look outdated), hence a re-trained
-# upstream reaches the jobs built on it through this param, not through file times.
-WARMUP_SECTIONS = ("data", "public", "model", "warmup", "seed", "robustness")
 
 
 def pretrain_fingerprint(wildcards):
@@ -75,19 +75,15 @@ def pretrain_fingerprint(wildcards):
     base = parse_variant(wildcards.upstream)[0]
     own = params.get(base, {})
     matched = params.get(own.get("match", "dpadapter"), {}) if base == "control" else {}
-    fp = fingerprint("data", "public", "model", "seed", "robustness") + json.dumps(
+    return fingerprint("data", "public", "model", "seed", "robustness") + json.dumps(
         [own, matched], sort_keys=True
     )
-    if _UPSTREAM_REGISTRY[base].needs_warmup:
-        fp += fingerprint(*WARMUP_SECTIONS)
-    return fp
 
 
 def pretrain_inputs(wildcards):
     """Methods that build on the warm-up get its checkpoint; scratch gets nothing."""
     if _UPSTREAM_REGISTRY[parse_variant(wildcards.upstream)[0]].needs_warmup:
-        # ancient(): a checkpoint restored by `dvc pull` is newer than what was built from it.
-        return {"warmup": ancient(f"{RESULTS}/warmup/model.pt")}
+        return {"warmup": f"{RESULTS}/warmup/model.pt"}
     return {}
 
 
@@ -99,10 +95,8 @@ def finetune_fingerprint(wildcards):
     ft = {k: v for k, v in config.get("finetune", {}).items() if k not in _GRID_KEYS}
     algo = config.get("finetune", {}).get("algo_params", {}).get(wildcards.algo, {})
     task = config["tasks"][wildcards.task]
-    return (
-        fingerprint("data", "privacy", "robustness", "public")
-        + json.dumps([ft, algo, task], sort_keys=True)
-        + pretrain_fingerprint(wildcards)
+    return fingerprint("data", "privacy", "robustness", "public") + json.dumps(
+        [ft, algo, task], sort_keys=True
     )
 
 

@@ -1,8 +1,7 @@
 rule finetune:
     """DP fine-tuning of one upstream checkpoint on one private task at one epsilon and seed."""
     input:
-        # ancient(): a checkpoint restored by `dvc pull` is newer than what was built from it.
-        ckpt=ancient(f"{RESULTS}/pretrain/{{upstream}}/model.pt"),
+        ckpt=f"{RESULTS}/pretrain/{{upstream}}/model.pt",
     output:
         metrics=f"{RESULTS}/finetune/{{upstream}}/{{task}}/{{algo}}/eps{{eps}}/seed{{seed}}/metrics.json",
         model=f"{RESULTS}/finetune/{{upstream}}/{{task}}/{{algo}}/eps{{eps}}/seed{{seed}}/model.pt",

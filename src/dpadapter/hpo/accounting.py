@@ -24,7 +24,10 @@ from typing import Any
 
 from dpadapter.privacy import Segment
 
-DISCRETIZATION = 1e-4  # value discretisation of the PLDs (as in privacy.pld_epsilon)
+# Value discretisation of the PLDs. Pessimistic discretisation keeps every epsilon an upper bound
+# at any interval; 3e-4 matches 1e-4 (privacy.pld_epsilon's) to ~1e-4 relative on this
+# project's histories at a quarter of the cost, which matters with dozens of runs per HPO.
+DISCRETIZATION = 3e-4
 COARSE = 1e-3  # for the starting guess of the final budget only; never for a reported epsilon
 
 
