@@ -2,7 +2,7 @@
 
 The tracking URI is `MLFLOW_TRACKING_URI` if set, else `tracking.uri` from config, else a sqlite
 file in the working directory (the project root under Snakemake). On a cluster, point every job
-at a tracking server instead (docs/cluster.md): sqlite over a network file system is not safe.
+at a tracking server instead (README, "On a cluster"): sqlite on a network file system is unsafe.
 
 Concurrency, for the sqlite default: creating the schema (MLflow runs its migrations on first
 use) and the experiment happens under a file lock next to the database, so parallel jobs never

@@ -5,8 +5,8 @@ In a temporary git repository holding a copy of the project with the tiny config
 folder), then outputs, DVC cache and Snakemake metadata are deleted (a fresh clone).
 `dvc pull` of the warm-up and pre-training stages restores the checkpoints with modification
 times in no particular order (here: the worst one, the warm-up newest). The documented step
-(docs/cluster.md) `snakemake --touch --until pretrain` records them as up to date, after which
-`snakemake -n` schedules no warm-up or pre-training job, and fine-tuning from the pulled
+(README, "On a cluster") `snakemake --touch --until pretrain` records them as up to date, after
+which `snakemake -n` schedules no warm-up or pre-training job, and fine-tuning from the pulled
 checkpoints reproduces the first results.
 """
 

@@ -2,6 +2,7 @@
 
 import csv
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -103,8 +104,10 @@ def test_paper_config_dry_run_shows_the_full_grid(tmp_path):
     r = _snakemake(tmp_path, "-n", "--configfile", str(tmp_path / "paper.yaml"))
     assert r.returncode == 0, r.stderr[-2000:]
     out = r.stdout + r.stderr
-    # 2 upstreams x 3 tasks x 1 algorithm x 2 epsilons x 3 seeds, one warm-up
-    assert "finetune        36" in out and "warmup           1" in out
+    # 5 upstreams x 3 tasks x 6 algorithms x 2 epsilons x 3 seeds, one warm-up
+    counts = dict(re.findall(r"^(\w+)\s+(\d+)\s*$", out.split("Job stats:", 1)[1], re.M))
+    assert counts["finetune"] == "540" and counts["pretrain"] == "5", counts
+    assert counts["warmup"] == "1", counts
 
 
 def test_warmup_runs_once_for_all_upstream_methods(tmp_path, tiny_raw):

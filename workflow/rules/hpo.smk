@@ -10,37 +10,7 @@
 #   grid_run      every r of the grid at the whole budget; grid_oracle picks the best (one
 #                 grid per upstream/task/algorithm, trained with the first HPO seed's plan)
 #   hpo_summary   results/summary/hpo.{csv,md} (Table 3 analogue, RERR)
-from dpadapter.hpo import jobs as _hpo_jobs
-
-HPO_JOBS = _hpo_jobs(CFG)
-HPO_GRID_DIR = f"{RESULTS}/hpo/{{upstream}}/{{task}}/{{algo}}"
-HPO_DIR = f"{HPO_GRID_DIR}/seed{{seed}}"
-HPO_GRID_PLAN = f"{HPO_GRID_DIR}/seed{CFG.hpo.seeds[0]}/plan.json"
-HPO_LOG = "logs/hpo/{upstream}/{task}/{algo}/seed{seed}"
-HPO_BENCH = "benchmarks/hpo/{upstream}/{task}/{algo}/seed{seed}"
-HPO_SWEEPS = range(len(CFG.hpo.sweep_epsilons))
-HPO_TRIALS = range(CFG.hpo.trials_per_sweep)
-HPO_POINTS = range(CFG.hpo.grid_size)
-
-
-def _hpo_expand(pattern):
-    return list(
-        dict.fromkeys(
-            pattern.format(upstream=u, task=t, algo=a, seed=s) for u, t, a, s in HPO_JOBS
-        )
-    )
-
-
-def _hpo_fp(wc):
-    return fingerprint("data", "finetune", "privacy", "hpo") + json.dumps(
-        config["tasks"][wc.task], sort_keys=True
-    )
-
-
-def _trial_paths(wc, sweeps=None):
-    d = HPO_DIR.format(upstream=wc.upstream, task=wc.task, algo=wc.algo, seed=wc.seed)
-    ks = HPO_SWEEPS if sweeps is None else sweeps
-    return [f"{d}/trials/s{k}/t{i}/metrics.json" for k in ks for i in HPO_TRIALS]
+include: "hpo_helpers.smk"
 
 
 rule hpo_plan:
@@ -48,16 +18,20 @@ rule hpo_plan:
     output:
         plan=f"{HPO_DIR}/plan.json",
     params:
+        python=python_exe,
+        config=config_file,
         fp=_hpo_fp,
     log:
         f"{HPO_LOG}/plan.log",
     threads: 1
+    conda:
+        "../../envs/pipeline.yaml"
     resources:
         gpu=0,
         mem_mb=2000,
         runtime=30,
     shell:
-        "DPADAPTER_THREADS={threads} {PYTHON} -m dpadapter --config {CONFIG_FILE} hpo plan "
+        "DPADAPTER_THREADS={threads} {params.python} -m dpadapter --config {params.config} hpo plan "
         "--upstream {wildcards.upstream} --task {wildcards.task} --algo {wildcards.algo} "
         "--seed {wildcards.seed} --out {output.plan} > {log} 2>&1"
 
@@ -73,18 +47,22 @@ rule hpo_trial:
     output:
         metrics=f"{HPO_DIR}/trials/s{{sweep}}/t{{trial}}/metrics.json",
     params:
+        python=python_exe,
+        config=config_file,
         out=lambda wc, output: str(Path(output.metrics).parent),
     log:
         f"{HPO_LOG}/trials/s{{sweep}}/t{{trial}}.log",
     benchmark:
         f"{HPO_BENCH}/trials/s{{sweep}}/t{{trial}}.tsv"
     threads: 1
+    conda:
+        "../../envs/pipeline.yaml"
     resources:
         gpu=1,
         mem_mb=4000,
         runtime=60,
     shell:
-        "DPADAPTER_THREADS={threads} {PYTHON} -m dpadapter --config {CONFIG_FILE} hpo trial "
+        "DPADAPTER_THREADS={threads} {params.python} -m dpadapter --config {params.config} hpo trial "
         "--plan {input.plan} --sweep {wildcards.sweep} --trial {wildcards.trial} "
         "--ckpt {input.ckpt} --out {params.out} > {log} 2>&1"
 
@@ -98,14 +76,19 @@ rule hpo_sweep:
         trials=lambda wc: _trial_paths(wc, [int(wc.sweep)]),
     output:
         sweep=f"{HPO_DIR}/sweep{{sweep}}.json",
+    params:
+        python=python_exe,
+        config=config_file,
     log:
         f"{HPO_LOG}/sweep{{sweep}}.log",
+    conda:
+        "../../envs/pipeline.yaml"
     resources:
         gpu=0,
         mem_mb=1000,
         runtime=5,
     shell:
-        "{PYTHON} -m dpadapter --config {CONFIG_FILE} hpo sweep --plan {input.plan} "
+        "{params.python} -m dpadapter --config {params.config} hpo sweep --plan {input.plan} "
         "--sweep {wildcards.sweep} --trials {input.trials} --out {output.sweep} > {log} 2>&1"
 
 
@@ -116,14 +99,19 @@ rule hpo_fit:
         sweeps=expand(f"{HPO_DIR}/sweep{{k}}.json", k=HPO_SWEEPS, allow_missing=True),
     output:
         fit=f"{HPO_DIR}/fit.json",
+    params:
+        python=python_exe,
+        config=config_file,
     log:
         f"{HPO_LOG}/fit.log",
+    conda:
+        "../../envs/pipeline.yaml"
     resources:
         gpu=0,
         mem_mb=1000,
         runtime=5,
     shell:
-        "{PYTHON} -m dpadapter --config {CONFIG_FILE} hpo fit --plan {input.plan} "
+        "{params.python} -m dpadapter --config {params.config} hpo fit --plan {input.plan} "
         "--sweeps {input.sweeps} --out {output.fit} > {log} 2>&1"
 
 
@@ -139,18 +127,22 @@ rule hpo_final:
         metrics=f"{HPO_DIR}/linear_scaling/metrics.json",
         model=f"{HPO_DIR}/linear_scaling/model.pt",
     params:
+        python=python_exe,
+        config=config_file,
         out=lambda wc, output: str(Path(output.metrics).parent),
     log:
         f"{HPO_LOG}/final.log",
     benchmark:
         f"{HPO_BENCH}/final.tsv"
     threads: 1
+    conda:
+        "../../envs/pipeline.yaml"
     resources:
         gpu=1,
         mem_mb=4000,
         runtime=60,
     shell:
-        "DPADAPTER_THREADS={threads} {PYTHON} -m dpadapter --config {CONFIG_FILE} hpo final "
+        "DPADAPTER_THREADS={threads} {params.python} -m dpadapter --config {params.config} hpo final "
         "--plan {input.plan} --fit {input.fit} --sweeps {input.sweeps} --trials {input.trials} "
         "--ckpt {input.ckpt} --out {params.out} > {log} 2>&1"
 
@@ -164,18 +156,22 @@ rule random_search:
         metrics=f"{HPO_DIR}/random_search/metrics.json",
         model=f"{HPO_DIR}/random_search/model.pt",
     params:
+        python=python_exe,
+        config=config_file,
         out=lambda wc, output: str(Path(output.metrics).parent),
     log:
         f"{HPO_LOG}/random_search.log",
     benchmark:
         f"{HPO_BENCH}/random_search.tsv"
     threads: 1
+    conda:
+        "../../envs/pipeline.yaml"
     resources:
         gpu=1,
         mem_mb=4000,
         runtime=60,
     shell:
-        "DPADAPTER_THREADS={threads} {PYTHON} -m dpadapter --config {CONFIG_FILE} hpo "
+        "DPADAPTER_THREADS={threads} {params.python} -m dpadapter --config {params.config} hpo "
         "random-search --plan {input.plan} --ckpt {input.ckpt} --out {params.out} > {log} 2>&1"
 
 
@@ -189,18 +185,22 @@ rule grid_run:
     output:
         metrics=f"{HPO_GRID_DIR}/grid/p{{point}}/metrics.json",
     params:
+        python=python_exe,
+        config=config_file,
         out=lambda wc, output: str(Path(output.metrics).parent),
     log:
         "logs/hpo/{upstream}/{task}/{algo}/grid/p{point}.log",
     benchmark:
         "benchmarks/hpo/{upstream}/{task}/{algo}/grid/p{point}.tsv"
     threads: 1
+    conda:
+        "../../envs/pipeline.yaml"
     resources:
         gpu=1,
         mem_mb=4000,
         runtime=60,
     shell:
-        "DPADAPTER_THREADS={threads} {PYTHON} -m dpadapter --config {CONFIG_FILE} hpo grid-run "
+        "DPADAPTER_THREADS={threads} {params.python} -m dpadapter --config {params.config} hpo grid-run "
         "--plan {input.plan} --point {wildcards.point} --ckpt {input.ckpt} --out {params.out} "
         "> {log} 2>&1"
 
@@ -212,14 +212,19 @@ rule grid_oracle:
         runs=expand(f"{HPO_GRID_DIR}/grid/p{{j}}/metrics.json", j=HPO_POINTS, allow_missing=True),
     output:
         oracle=f"{HPO_GRID_DIR}/grid_oracle.json",
+    params:
+        python=python_exe,
+        config=config_file,
     log:
         "logs/hpo/{upstream}/{task}/{algo}/grid_oracle.log",
+    conda:
+        "../../envs/pipeline.yaml"
     resources:
         gpu=0,
         mem_mb=1000,
         runtime=5,
     shell:
-        "{PYTHON} -m dpadapter --config {CONFIG_FILE} hpo grid-oracle --plan {input.plan} "
+        "{params.python} -m dpadapter --config {params.config} hpo grid-oracle --plan {input.plan} "
         "--runs {input.runs} --out {output.oracle} > {log} 2>&1"
 
 
@@ -232,14 +237,19 @@ rule hpo_summary:
     output:
         csv=f"{RESULTS}/summary/hpo.csv",
         md=f"{RESULTS}/summary/hpo.md",
+    params:
+        python=python_exe,
+        config=config_file,
     log:
         "logs/hpo/summary.log",
+    conda:
+        "../../envs/pipeline.yaml"
     resources:
         gpu=0,
         mem_mb=1000,
         runtime=5,
     shell:
-        "{PYTHON} -m dpadapter --config {CONFIG_FILE} hpo summary --final {input.final} "
+        "{params.python} -m dpadapter --config {params.config} hpo summary --final {input.final} "
         "--random {input.random} --oracle {input.oracle} --csv {output.csv} --md {output.md} "
         "> {log} 2>&1"
 

@@ -38,8 +38,10 @@ from dpadapter.privacy import PrivacyLedger, Segment, calibrate_sigma, epsilon_f
 GAUSSIAN, LAPLACE = "gaussian", "laplace"
 MECHANISMS = (GAUSSIAN, LAPLACE)
 ADJACENCY = {
-    GAUSSIAN: "add/remove one example of the client's data (Opacus' Poisson-sampled Gaussian)",
-    LAPLACE: "replace one example of the client's data, client size d_i public (Theorem 1)",
+    GAUSSIAN: "add/remove one example of the client's data (Opacus' Poisson-sampled Gaussian); "
+    "the client sizes d_i are treated as public (normaliser q d_i, server weights d_i / d)",
+    LAPLACE: "replace one example of the client's data (Theorem 1); the client sizes d_i are "
+    "public (normaliser d_i, server weights d_i / d)",
 }
 # Per mechanism, the factor kappa with which the add/remove (1) or replace-one (2) sensitivity
 # of a clipped sum, and of the estimation statistics, is computed.

@@ -43,7 +43,7 @@ def _pretrain_rows(paths: list[Path]) -> list[dict]:
 def main_figures(
     finetune_csv: Path, pretrain_paths: list[Path], upstream_order: list[str], out_dir: Path
 ) -> list[Path]:
-    """Downstream accuracy against epsilon (one figure per algorithm) and Fig. 6 of the upstreams."""
+    """Downstream accuracy against epsilon (a figure per algorithm) and Fig. 6 of the upstreams."""
     rows = list(csv.DictReader(open(finetune_csv)))
     written = []
     for algo in dict.fromkeys(r["algorithm"] for r in rows):
