@@ -92,6 +92,7 @@ class FinetuneConfig:
     algorithms: tuple[str, ...] = ("dpsgd",)
     epsilons: tuple[float, ...] = (1.0, 4.0)
     seeds: tuple[int, ...] = (0,)
+    upstreams: tuple[str, ...] = ()  # main grid's upstream methods; empty = pretrain.methods
     batch_size: int = 200
     epochs: int = 10
     lr: float = 0.5
@@ -275,7 +276,7 @@ class Config:
     def finetune_grid(self) -> list[tuple[str, str, str, float, int]]:
         """Every (upstream, task, algorithm, epsilon, seed) job, main grid first, no duplicates."""
         ft = self.finetune
-        grids = [GridConfig(ft.algorithms)] + list(ft.extra_grids)
+        grids = [GridConfig(ft.algorithms, upstreams=ft.upstreams)] + list(ft.extra_grids)
         jobs: dict[tuple, None] = {}
         for g in grids:
             for u in g.upstreams or self.upstreams:
@@ -342,7 +343,7 @@ def from_dict(raw: dict[str, Any], validate: bool = True) -> Config:
     if validate:
         validate_raw(raw)
     ft = dict(raw.get("finetune", {}))
-    ft = _tuplify(ft, ("algorithms", "epsilons", "seeds"))
+    ft = _tuplify(ft, ("algorithms", "epsilons", "seeds", "upstreams"))
     if "epsilons" in ft:
         ft["epsilons"] = tuple(float(e) for e in ft["epsilons"])
     grid_keys = ("algorithms", "upstreams", "tasks", "epsilons", "seeds")
@@ -402,6 +403,9 @@ def check_semantics(cfg: Config) -> None:
     for name in cfg.upstream_params:
         if name not in UPSTREAMS:
             problems.append(f"pretrain.params: unknown upstream method {name!r}")
+    for name in cfg.finetune.upstreams:
+        if name not in cfg.upstreams:
+            problems.append(f"finetune.upstreams: {name!r} is not in pretrain.methods")
     for i, g in enumerate(cfg.finetune.extra_grids):
         where = f"finetune.extra_grids.{i}"
         for name in g.algorithms:

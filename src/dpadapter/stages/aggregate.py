@@ -95,6 +95,8 @@ def table1_markdown(
     ]
     for a in algos:
         for u in ups:
+            if not any((a, u, t, e) in by for t in tasks for e in epss):
+                continue  # an algorithm run on some upstream methods only (extra grids)
             cells = []
             for t in tasks:
                 for e in epss:

@@ -1,0 +1,78 @@
+"""finetune.csv / finetune.md: statistics over seeds and the Table 1 layout."""
+
+from __future__ import annotations
+
+import csv
+import json
+import statistics
+from pathlib import Path
+
+import pytest
+
+from dpadapter.stages import aggregate
+
+
+def _metrics(root: Path, up: str, task: str, algo: str, eps: float, seed: int, acc: float):
+    d = root / up / task / algo / f"eps{eps:g}" / f"seed{seed}"
+    d.mkdir(parents=True)
+    m = {
+        "wildcards": {"upstream": up, "task": task, "algo": algo, "eps": f"{eps:g}", "seed": seed},
+        "test_accuracy": acc,
+        "test_robust_accuracy": acc - 0.1,
+        "privacy": {"epsilon": 0.9 * eps},
+    }
+    (d / "metrics.json").write_text(json.dumps(m))
+    return d / "metrics.json"
+
+
+@pytest.fixture
+def grid(tmp_path):
+    paths = []
+    accs = {0: 0.70, 1: 0.74, 2: 0.78}
+    for up in ("scratch", "standard"):
+        for task in ("a", "b"):
+            for eps in (1, 4):
+                for seed, acc in accs.items():
+                    bump = 0.1 if up == "standard" else 0.0
+                    paths.append(_metrics(tmp_path, up, task, "dpsgd", eps, seed, acc + bump))
+    # a second algorithm on one upstream method and task only (an extra grid), one seed
+    paths.append(_metrics(tmp_path, "standard", "b", "gep", 1, 0, 0.5))
+    return paths
+
+
+def test_mean_std_and_csv_columns(grid, tmp_path):
+    rows = aggregate.collect(grid)
+    out = tmp_path / "finetune.csv"
+    aggregate.write_csv(rows, out)
+    got = list(csv.DictReader(open(out)))
+    assert list(got[0]) == aggregate.COLUMNS
+    row = next(
+        r for r in got if (r["upstream"], r["task"], r["algorithm"], r["epsilon"])
+        == ("standard", "a", "dpsgd", "4")
+    )  # fmt: skip
+    assert float(row["mean_accuracy"]) == pytest.approx(0.84, abs=1e-4)
+    assert float(row["std_accuracy"]) == pytest.approx(statistics.stdev([0.8, 0.84, 0.88]), 1e-3)
+    assert row["n_seeds"] == "3"
+    assert float(row["mean_epsilon_spent"]) == pytest.approx(3.6, abs=1e-4)
+    gep = [r for r in got if r["algorithm"] == "gep"]
+    assert len(gep) == 1 and gep[0]["n_seeds"] == "1" and float(gep[0]["std_accuracy"]) == 0
+
+
+def test_markdown_has_one_block_per_algorithm_and_no_empty_rows(grid):
+    md = aggregate.table1_markdown(aggregate.collect(grid), ["scratch", "standard"])
+    table = [
+        ln for ln in md.split("\n\n")[1].splitlines() if ln.startswith("| ") and "---" not in ln
+    ]
+    header, body = table[0], table[1:]
+    assert "a ε=1" in header and "Average ε=4" in header
+    assert [tuple(c.strip() for c in ln.split("|")[1:3]) for ln in body] == [
+        ("dpsgd", "scratch"),
+        ("dpsgd", "standard"),
+        ("gep", "standard"),  # not gep x scratch: never run, so no row of dashes
+    ]
+    dpsgd_standard = [c.strip() for c in body[1].split("|")[1:-1]]
+    assert dpsgd_standard[2] == "84.0 ± 4.0"  # a eps=1: mean ± std over the 3 seeds
+    assert dpsgd_standard[-1] == "84.0"  # average over both tasks at eps=4
+    gep = [c.strip() for c in body[2].split("|")[1:-1]]
+    # one seed: no ± ; one task of two: no average
+    assert gep[4] == "50.0" and gep[-2] == "–"
