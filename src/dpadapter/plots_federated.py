@@ -21,6 +21,7 @@ import matplotlib
 
 matplotlib.use("Agg")  # files only: no display on pipeline hosts
 import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.ticker  # noqa: E402
 
 Row = Mapping[str, Any]
 STYLE = {
@@ -96,6 +97,9 @@ def accuracy_vs_epsilon(rows: Sequence[Row], out: Path, rounds: int, title: str 
                 color="tab:green",
             )
         ax.set_xscale("log")
+        xs = sorted({x for line in ax.lines for x in line.get_xdata()})
+        ax.set_xticks(xs, [f"{x:g}" for x in xs])  # the grid's epsilons, not 3x10^0 minor labels
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.set_xlabel("ε" + (" (δ = 0, pure DP)" if mech == "laplace" else ""))
         ax.set_ylabel("test accuracy (%)")
         ax.set_title(f"{mech} mechanism, T = {rounds}", pad=16)

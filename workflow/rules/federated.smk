@@ -62,8 +62,8 @@ rule federated_summary:
     output:
         csv=f"{RESULTS}/summary/federated.csv",
         rule=f"{RESULTS}/summary/federated_rule.json",
-        eps=f"{RESULTS}/summary/federated_accuracy_vs_epsilon.png",
-        rounds=f"{RESULTS}/summary/federated_accuracy_vs_rounds.png",
+        eps=f"{RESULTS}/figures/federated_accuracy_vs_epsilon.png",
+        rounds=f"{RESULTS}/figures/federated_accuracy_vs_rounds.png",
     params:
         python=python_exe,
         config=config_file,
