@@ -166,7 +166,9 @@ def run(
         accountant=cfg.privacy.accountant,
     )
     clients = [Client(i, TensorDataset(x[idx], y[idx]), mech, seed) for i, idx in enumerate(parts)]
-    gsm = wrap_model(model, grad_sample_mode="hooks", batch_first=True, loss_reduction="mean")
+    gsm = wrap_model(
+        model, grad_sample_mode=cfg.finetune.grad_sample_mode, batch_first=True, loss_reduction="mean"
+    )
     gsm.train()
 
     wildcards = {
