@@ -167,7 +167,10 @@ def run(
     )
     clients = [Client(i, TensorDataset(x[idx], y[idx]), mech, seed) for i, idx in enumerate(parts)]
     gsm = wrap_model(
-        model, grad_sample_mode=cfg.finetune.grad_sample_mode, batch_first=True, loss_reduction="mean"
+        model,
+        grad_sample_mode=cfg.finetune.grad_sample_mode,
+        batch_first=True,
+        loss_reduction="mean",
     )
     gsm.train()
 
