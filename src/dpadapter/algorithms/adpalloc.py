@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 from typing import Any
 
 from dpadapter.algorithms.base import DPAlgorithm, register_algorithm
-from dpadapter.privacy import Segment, calibrate_sigma, epsilon_from_history
+from dpadapter.privacy import Segment, epsilon_from_history
 from dpadapter.privacy import accounting as _acc
 
 REL_TOL = 1e-3  # stop when the bracket on sigma_0 is this narrow (relative) ...
@@ -120,32 +119,21 @@ class AdpAlloc(DPAlgorithm):
                 REL_TOL,
             ]
         )
-        cache = Path(s.calibration_cache) if s.calibration_cache else None
-        if cache is not None:
-            hit = _acc._read_cache(cache).get(key)
-            if hit is not None:
-                return float(hit)
-        constant = calibrate_sigma(
-            s.target_epsilon,
-            s.delta,
-            s.sample_rate,
-            s.total_steps,
-            s.accountant,
+        # the constant-sigma calibration of the base class brackets sigma_0 from below
+        return _acc.cached(
             s.calibration_cache,
+            key,
+            lambda: calibrate_decay(
+                s.target_epsilon,
+                s.delta,
+                s.sample_rate,
+                s.steps_per_epoch,
+                s.epochs,
+                k,
+                s.accountant,
+                super(AdpAlloc, self).calibrate(),
+            ),
         )
-        sigma0 = calibrate_decay(
-            s.target_epsilon,
-            s.delta,
-            s.sample_rate,
-            s.steps_per_epoch,
-            s.epochs,
-            k,
-            s.accountant,
-            constant,
-        )
-        if cache is not None:
-            _acc._write_cache(cache, key, sigma0)
-        return sigma0
 
     def noise_multiplier(self, epoch: int) -> float:
         return decayed(self.sigma, float(self.params["decay"]), epoch)

@@ -21,10 +21,8 @@ pure-DP ledger (a sum). `pure_dp_delta` cross-checks the latter with dp-accounti
 
 from __future__ import annotations
 
-import fcntl
 import json
 import math
-import os
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -34,6 +32,7 @@ from opacus.optimizers import DPOptimizer
 from opacus.optimizers.optimizer import _check_processed_flag, _mark_as_processed
 
 from dpadapter.privacy import PrivacyLedger, Segment, calibrate_sigma, epsilon_from_history
+from dpadapter.privacy.accounting import cached
 
 GAUSSIAN, LAPLACE = "gaussian", "laplace"
 MECHANISMS = (GAUSSIAN, LAPLACE)
@@ -188,11 +187,23 @@ def gaussian_sigma(
     key = json.dumps(
         [target_epsilon, delta, sample_rate, steps, accountant, [s.as_tuple() for s in prior]]
     )
-    if cache is not None:
-        hit = _read(Path(cache).with_name("sigma_joint.json")).get(key)
-        if hit is not None:
-            return float(hit)
+    joint_cache = None if cache is None else Path(cache).with_name("sigma_joint.json")
+    return cached(
+        joint_cache,
+        key,
+        lambda: _joint_sigma(base, prior, target_epsilon, delta, sample_rate, steps, accountant),
+    )
 
+
+def _joint_sigma(
+    base: float,
+    prior: list[Segment],
+    target_epsilon: float,
+    delta: float,
+    sample_rate: float,
+    steps: int,
+    accountant: str,
+) -> float:
     def eps(sigma: float) -> float:
         return epsilon_from_history([*prior, Segment(sigma, sample_rate, steps)], delta, accountant)
 
@@ -206,24 +217,4 @@ def gaussian_sigma(
     while hi - lo > 0.005 * hi:
         mid = 0.5 * (lo + hi)
         lo, hi = (mid, hi) if eps(mid) > target_epsilon else (lo, mid)
-    if cache is not None:
-        _write(Path(cache).with_name("sigma_joint.json"), key, hi)
     return hi
-
-
-def _read(path: Path) -> dict[str, float]:
-    try:
-        return json.loads(path.read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
-        return {}
-
-
-def _write(path: Path, key: str, value: float) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_suffix(".lock"), "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        data = _read(path)
-        data[key] = value
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(data, indent=1))
-        os.replace(tmp, path)

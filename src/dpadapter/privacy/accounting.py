@@ -12,6 +12,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -66,14 +67,25 @@ def calibrate_sigma(
     epsilon against the target from their own recorded history).
     """
     key = json.dumps([target_epsilon, delta, sample_rate, steps, accountant, EPS_ERROR])
-    if cache is not None:
-        hit = _read_cache(Path(cache)).get(key)
-        if hit is not None:
-            return float(hit)
-    sigma = _calibrate(target_epsilon, delta, sample_rate, steps, accountant)
-    if cache is not None:
-        _write_cache(Path(cache), key, sigma)
-    return sigma
+    return cached(
+        cache, key, lambda: _calibrate(target_epsilon, delta, sample_rate, steps, accountant)
+    )
+
+
+def cached(cache: str | Path | None, key: str, compute: Callable[[], float]) -> float:
+    """`compute()`, memoised under `key` in the JSON file `cache` (None: no cache).
+
+    Shared by every calibration (constant sigma, AdpAlloc's sigma_0, the federated joint sigma):
+    concurrent jobs of a grid update the file under a lock and replace it atomically.
+    """
+    if cache is None:
+        return compute()
+    hit = _read_cache(Path(cache)).get(key)
+    if hit is not None:
+        return float(hit)
+    value = compute()
+    _write_cache(Path(cache), key, value)
+    return value
 
 
 def _read_cache(path: Path) -> dict[str, float]:
