@@ -12,11 +12,12 @@ Test accuracy selects nothing here: it is reported after every run has finished.
 
 from __future__ import annotations
 
-import csv
 import json
 import statistics
 from collections import Counter, defaultdict
 from pathlib import Path
+
+from dpadapter.stages.aggregate import write_csv
 
 COLUMNS = [
     "strategy",
@@ -141,23 +142,6 @@ def rule_report(rows: list[dict], preds: dict[tuple, list[str]]) -> dict:
     }
 
 
-def write_csv(rows: list[dict], path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=COLUMNS)
-        w.writeheader()
-        for r in rows:
-            out = {}
-            for k in COLUMNS:
-                v = r[k]
-                if k == "epsilon":
-                    v = f"{v:g}"
-                elif isinstance(v, float):
-                    v = f"{v:.4f}"
-                out[k] = v
-            w.writerow(out)
-
-
 def run(
     cfg, metrics: list[Path], csv_path: Path, rule_path: Path, fig_eps: Path, fig_rounds: Path
 ) -> dict:
@@ -165,7 +149,7 @@ def run(
     from dpadapter.stages.job import write_json
 
     rows, preds = collect(metrics)
-    write_csv(rows, csv_path)
+    write_csv(rows, csv_path, COLUMNS)
     report = rule_report(rows, preds)
     write_json(rule_path, report)
     fed = cfg.federated

@@ -8,12 +8,13 @@ RERR = (linear - random) / (oracle - random), the relative error reduction of Ta
 
 from __future__ import annotations
 
-import csv
 import json
 import math
 import statistics
 from collections import defaultdict
 from pathlib import Path
+
+from dpadapter.stages.aggregate import write_csv
 
 COLUMNS = [
     "method",
@@ -112,15 +113,6 @@ def rerr(linear: float, random: float, oracle: float) -> float:
     return (linear - random) / gap
 
 
-def write_csv(rows: list[dict], path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=COLUMNS)
-        w.writeheader()
-        for r in rows:
-            w.writerow({k: (f"{v:.4f}" if isinstance(v, float) else v) for k, v in r.items()})
-
-
 def markdown(rows: list[dict]) -> str:
     by = {(r["upstream"], r["task"], r["algorithm"], r["method"]): r for r in rows}
     keys = sorted({(r["upstream"], r["task"], r["algorithm"]) for r in rows})
@@ -171,7 +163,7 @@ def run(
     final: list[Path], random: list[Path], oracle: list[Path], csv_path: Path, md_path: Path
 ) -> list[dict]:
     rows = collect(final, random, oracle)
-    write_csv(rows, csv_path)
+    write_csv(rows, csv_path, COLUMNS)
     md_path.parent.mkdir(parents=True, exist_ok=True)
     md_path.write_text(markdown(rows))
     return rows

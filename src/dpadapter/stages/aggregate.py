@@ -46,22 +46,20 @@ def collect(paths: list[Path]) -> list[dict]:
     return rows
 
 
-def write_csv(rows: list[dict], path: Path) -> None:
+def _cell(key: str, value):
+    if key == "epsilon":
+        return f"{value:g}"  # a grid coordinate, as in the paths (eps1, eps0.5)
+    return f"{value:.4f}" if isinstance(value, float) else value
+
+
+def write_csv(rows: list[dict], path: Path, columns: list[str] = COLUMNS) -> None:
+    """The summary CSVs (finetune, hpo, federated): `columns` in order, floats to 4 places."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=COLUMNS)
+        w = csv.DictWriter(fh, fieldnames=columns)
         w.writeheader()
         for r in rows:
-            w.writerow(
-                {
-                    k: (
-                        f"{v:.4f}"
-                        if isinstance(v, float) and k != "epsilon"
-                        else (f"{v:g}" if k == "epsilon" else v)
-                    )
-                    for k, v in r.items()
-                }
-            )
+            w.writerow({k: _cell(k, r[k]) for k in columns if k in r})
 
 
 def _fmt(mean: float, std: float, n: int) -> str:
