@@ -6,13 +6,25 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 CORES ?= 2
 CONFIG ?= config.yaml
+# The results folder of $(CONFIG) (its `results_dir`), for the summaries printed below.
+RESULTS = $$($(BIN)/python -c "import sys, yaml; print(yaml.safe_load(open(sys.argv[1])).get('results_dir', 'results'))" $(CONFIG))
 
-.PHONY: run sweeps hpo federated test test-cluster lint bench setup data clean-results
+.PHONY: run sweeps hpo federated audit validity test test-cluster lint bench setup data clean-results mlflow
 
+# uv installs the pinned set several times faster than pip (parallel downloads and unpacking);
+# pip is the fallback where uv cannot be had or fails. uv ignores pip's configuration, so
+# tools/uv_pip_args.py hands it pip's find-links / indexes (the local torch CPU wheel here).
+# --compile-bytecode as pip does: otherwise the first jobs each compile the .pyc files.
+PIP_INSTALL := $(BIN)/pip install -q --disable-pip-version-check
+UV_INSTALL = UV_LINK_MODE=copy $(BIN)/uv pip install -q --compile-bytecode --python $(BIN)/python \
+	$$($(BIN)/python tools/uv_pip_args.py $(BIN)/pip)
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --disable-pip-version-check -r requirements.txt
-	$(BIN)/pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
+	if $(PIP_INSTALL) uv 2>/dev/null && $(UV_INSTALL) -r requirements.txt \
+	    && $(UV_INSTALL) --no-deps --no-build-isolation -e .; then :; else \
+	  echo "uv unavailable or failed: installing with pip"; \
+	  $(PIP_INSTALL) -r requirements.txt \
+	    && $(PIP_INSTALL) --no-deps --no-build-isolation -e .; fi
 	touch $(STAMP)
 
 setup: $(STAMP) data
@@ -24,23 +36,35 @@ data:
 
 run: setup
 	$(BIN)/snakemake --cores $(CORES) --configfile $(CONFIG) --rerun-incomplete
-	@cat results/summary/finetune.md
+	@cat $(RESULTS)/summary/finetune.md
 
 # gamma sweeps of SAM and DPAdapter (Figs. 5-6 analogues); not part of `make run`.
 sweeps: setup
 	$(BIN)/snakemake --cores $(CORES) --configfile $(CONFIG) --rerun-incomplete sweeps
-	@ls results/figures/
+	@ls $(RESULTS)/figures/
 
 # Private HPO (linear scaling rule vs. random search vs. grid oracle); not part of `make run`.
 hpo: setup
 	$(BIN)/snakemake --cores $(CORES) --configfile $(CONFIG) --rerun-incomplete hpo
-	@cat results/summary/hpo.md
+	@cat $(RESULTS)/summary/hpo.md
 
 # DP federated fine-tuning, Pretrain-DPFL (strategies x mechanisms x eps); not part of `make run`.
 federated: setup
 	$(BIN)/snakemake --cores $(CORES) --configfile $(CONFIG) --rerun-incomplete federated
-	@cat results/summary/federated.csv
-	@$(BIN)/python -c "import json; r = json.load(open('results/summary/federated_rule.json')); print(f\"T1 rule: {r['hits']}/{r['n_cells']} cells predicted the HT/FT winner\")"
+	@cat $(RESULTS)/summary/federated.csv
+	@R=$(RESULTS); $(BIN)/python -c "import json, sys; r = json.load(open(sys.argv[1] + '/summary/federated_rule.json')); c = r.get('hit_rate_interval') or {}; print(f\"T1 rule: {r['hits']}/{r['n_cells']} cells predicted the HT/FT winner; 95% Wilson [{c.get('low', float('nan')):.2f}, {c.get('high', float('nan')):.2f}] vs always-HT {r.get('always_ht', float('nan')):.2f}, always-FT {r.get('always_ft', float('nan')):.2f}, coin 0.50\")" "$$R"
+
+# Empirical privacy audit: every registered algorithm x audit.epsilons, one canary run each, a
+# one-run lower bound on epsilon (docs/audit.md); not part of `make run`.
+audit: setup
+	$(BIN)/snakemake --cores $(CORES) --configfile $(CONFIG) --rerun-incomplete audit
+	@cat "$$($(BIN)/python -c "from dpadapter.config import load; print(load('$(CONFIG)').results_dir)")/summary/audit.md"
+
+# One page of findings: each paper's claim tested in its own regime (docs/validity.md). Runs the
+# main grid, the HPO and the federated grid first if they are missing; not part of `make run`.
+validity: setup
+	$(BIN)/snakemake --cores $(CORES) --configfile $(CONFIG) --rerun-incomplete validity
+	@cat $(RESULTS)/summary/validity.md
 
 # The whole suite, tests/cluster included (a real one-node Slurm, DVC round trip, MLflow under
 # load, SIGKILL resume). Two xdist workers, one test file per worker at a time: the cluster tests
@@ -57,6 +81,13 @@ lint: $(STAMP)
 
 bench: setup
 	$(BIN)/python bench/dp_step.py
+
+# The MLflow UI over the runs of $(CONFIG) (its results folder's store unless MLFLOW_TRACKING_URI
+# or tracking.uri say otherwise); prints the URL of the runs table with the DP columns.
+mlflow: $(STAMP)
+	@$(BIN)/python -m dpadapter.tracking $(CONFIG)
+	$(BIN)/mlflow ui --host 127.0.0.1 --port 5000 --backend-store-uri \
+	  "$$($(BIN)/python -m dpadapter.tracking $(CONFIG) | sed -n 's/^store: //p')"
 
 clean-results:
 	rm -rf results logs benchmarks

@@ -7,6 +7,7 @@
 #   aggregate results/summary/finetune.{csv,md} (Table 1 layout) and results/figures/
 #   sweeps    gamma sweeps of SAM and DPAdapter, Figs. 5-6 (own target: `snakemake sweeps`)
 #   hpo       private HPO, linear scaling rule vs. baselines (own target: `snakemake hpo`)
+#   audit     empirical privacy audit, one canary run per algorithm x eps (`snakemake audit`)
 
 # --configfile REPLACES the embedded default instead of being merged into it (Snakemake would
 # otherwise merge the two task tables and run both grids).
@@ -23,6 +24,8 @@ include: "workflow/rules/aggregate.smk"
 include: "workflow/rules/sweeps.smk"
 include: "workflow/rules/hpo.smk"
 include: "workflow/rules/federated.smk"
+include: "workflow/rules/validity.smk"
+include: "workflow/rules/audit.smk"
 
 
 rule all:
@@ -30,4 +33,5 @@ rule all:
         f"{RESULTS}/summary/finetune.csv",
         f"{RESULTS}/summary/finetune.md",
         rules.figures.output,
+        REFERENCE_OUT,
     default_target: True

@@ -6,7 +6,8 @@ import sys
 import pytest
 import yaml
 
-from dpadapter.config import ConfigError, from_dict, load
+from dpadapter.config import ConfigError, from_dict
+from dpadapter.validation import load, validate
 
 
 def test_embedded_and_paper_configs_are_valid():
@@ -32,7 +33,7 @@ def test_embedded_and_paper_configs_are_valid():
 def test_errors_name_the_bad_key(tiny_raw, mutate, expected):
     mutate(tiny_raw)
     with pytest.raises(ConfigError, match=expected.replace(".", r"\.")):
-        from_dict(tiny_raw)
+        validate(tiny_raw)
 
 
 def test_cli_reports_bad_config_and_exits_2(tmp_path, tiny_raw):
@@ -76,4 +77,4 @@ def test_finetune_grid_is_main_product_plus_extra_grids(tiny_raw):
 def test_extra_grid_names_are_checked(tiny_raw):
     tiny_raw["finetune"]["extra_grids"] = [{"upstreams": ["sam"], "algorithms": ["dpsgd"]}]
     with pytest.raises(ConfigError, match=r"extra_grids\.0\.upstreams"):
-        from_dict(tiny_raw)
+        validate(tiny_raw)

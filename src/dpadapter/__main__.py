@@ -1,5 +1,35 @@
+"""`python -m dpadapter`: run one stage, then leave without tearing the interpreter down.
+
+Every rule runs one such process and it exits right after its outputs are written. A normal
+exit then spends over a second of CPU finalizing the thousands of module objects that torch,
+Opacus and MLflow import, memory the OS reclaims anyway (measured on this 2-core machine:
+4.4 s -> 3.0 s user CPU for a process that imports them and logs one MLflow run), and every job
+of a grid pays it. So after `main` returns, what a normal exit does with an effect outside the
+process is done explicitly (non-daemon threads joined, atexit handlers run: MLflow flushes
+there, standard streams flushed) and the process ends with `os._exit`. Result files are written
+through closed handles (atomic renames), so nothing buffered is lost. An exception still exits
+the normal way, with its traceback. `DPADAPTER_FULL_EXIT=1` restores the normal exit.
+"""
+
+import atexit
+import os
 import sys
+import threading
 
 from dpadapter.cli import main
 
-sys.exit(main())
+
+def _exit_without_teardown(code: int) -> None:
+    for t in threading.enumerate():
+        if t is not threading.main_thread() and not t.daemon:
+            t.join()
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+rc = main()
+if os.environ.get("DPADAPTER_FULL_EXIT", "") not in ("", "0") or not isinstance(rc, int | None):
+    sys.exit(rc)
+_exit_without_teardown(rc or 0)

@@ -8,11 +8,23 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import time
 from pathlib import Path
 
-from dpadapter.config import ConfigError, load
+from dpadapter.audit.cli import add_parsers as add_audit_parsers
 from dpadapter.federated.cli import add_parsers as add_federated_parsers
 from dpadapter.hpo.cli import add_parsers as add_hpo_parsers
+from dpadapter.validation import ConfigError, load
+
+
+def _written_since(folder: Path, t0: float) -> list[Path]:
+    return sorted(p for p in folder.rglob("*") if p.is_file() and p.stat().st_mtime >= t0 - 1)
+
+
+def _print_written(paths: list[Path]) -> None:
+    """Summary jobs say what they wrote, so their logs are not empty (Slurm users read them)."""
+    for p in paths:
+        print(f"wrote {p} ({Path(p).stat().st_size} bytes)", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,12 +54,21 @@ def main(argv: list[str] | None = None) -> int:
     fg.add_argument("--finetune-csv", required=True, type=Path)
     fg.add_argument("--pretrain", nargs="+", required=True, type=Path)
     fg.add_argument("--out", required=True, type=Path)
+    rf = sub.add_parser("reference", help="a published table beside ours (config `reference`)")
+    rf.add_argument("--finetune-csv", required=True, type=Path)
+    rf.add_argument("--csv", required=True, type=Path)
+    rf.add_argument("--md", required=True, type=Path)
     sw = sub.add_parser("sweep-figures", help="figures of the gamma sweeps")
     sw.add_argument("--pretrain", nargs="+", required=True, type=Path)
     sw.add_argument("--finetune", nargs="+", required=True, type=Path)
     sw.add_argument("--out", required=True, type=Path)
     add_hpo_parsers(sub.add_parser("hpo", help="private HPO with the linear scaling rule"))
     add_federated_parsers(sub.add_parser("federated", help="DP federated learning (Pretrain-DPFL)"))
+    add_audit_parsers(sub.add_parser("audit", help="empirical privacy audit (one-run canaries)"))
+    va = sub.add_parser("validity", help="results/summary/validity.md: each claim, tested")
+    for k in ("hpo", "federated-rule", "finetune", "gpu-summary"):
+        va.add_argument(f"--{k}", type=Path, default=None)
+    va.add_argument("--out", required=True, type=Path)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
 
@@ -77,15 +98,30 @@ def main(argv: list[str] | None = None) -> int:
     elif args.stage == "aggregate":
         from dpadapter.stages import aggregate
 
-        aggregate.run(args.metrics, args.pretrain, list(cfg.upstreams), args.csv, args.md)
+        rows = aggregate.run(args.metrics, args.pretrain, list(cfg.upstreams), args.csv, args.md)
+        print(f"aggregate: {len(rows)} rows from {len(args.metrics)} runs", file=sys.stderr)
+        _print_written([args.csv, args.md])
     elif args.stage == "figures":
         from dpadapter.stages import figures
 
+        t0 = time.time()
         figures.main_figures(args.finetune_csv, args.pretrain, list(cfg.upstreams), args.out)
+        _print_written(_written_since(args.out, t0))
+    elif args.stage == "reference":
+        from dpadapter.stages import reference
+
+        if cfg.reference is None:
+            print("error: the config has no `reference` section", file=sys.stderr)
+            return 2
+        reference.run(args.finetune_csv, cfg.reference, args.csv, args.md)
+        print(args.md.read_text())
+        _print_written([args.csv, args.md])
     elif args.stage == "sweep-figures":
         from dpadapter.stages import figures
 
+        t0 = time.time()
         figures.sweep_figures(args.pretrain, args.finetune, args.out)
+        _print_written(_written_since(args.out, t0))
     elif args.stage == "hpo":
         from dpadapter.hpo.cli import run as run_hpo
 
@@ -94,6 +130,15 @@ def main(argv: list[str] | None = None) -> int:
         from dpadapter.federated.cli import run as run_federated
 
         run_federated(cfg, args)
+    elif args.stage == "audit":
+        from dpadapter.audit.cli import run as run_audit
+
+        run_audit(cfg, args)
+    elif args.stage == "validity":
+        from dpadapter.stages import validity
+
+        a = args
+        print(validity.run(a.hpo, a.federated_rule, a.finetune, a.out, a.gpu_summary))
     return 0
 
 

@@ -3,12 +3,17 @@
 The YAML is validated against `workflow/schemas/config.schema.yaml` first (so a bad key is
 reported by name before any job starts); these dataclasses are what the code reads, so a
 stage never digs into raw dicts and every default lives in one place.
+
+This module imports no registry (the registries import its dataclasses): checks that need
+the registries (names, per-method params schemas, dataset sizes, privacy sanity) live in
+`dpadapter.validation`, which the workflow and the CLI call.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,6 +37,14 @@ class SplitConfig:
     n_train: int | None = None
     n_val: int = 0
     n_test: int | None = None
+    # False: carved like any task (after the ones before it) but left out of the fine-tuning
+    # grids (finetune, sweeps); only a stage that names it (hpo, federated) uses it.
+    grids: bool = True
+    # Which split of the source the role's training (+ validation) and test examples come from:
+    # "train" or "test". Default: train from train, test from test. DP-SAT's "0.8:0.2" split of
+    # the training data is test_split: train (configs/dpsat-table2*.yaml).
+    train_split: str = "train"
+    test_split: str = "test"
 
 
 @dataclass(frozen=True)
@@ -61,6 +74,10 @@ class SGDConfig:
     milestones: tuple[int, ...] = ()
     lr_gamma: float = 0.1
     max_steps: int | None = None
+    # "epochs": milestones count epochs and the run lasts `epochs` (capped by max_steps);
+    # "steps": milestones count update steps and the run lasts exactly `max_steps` steps
+    # (Algorithm 1's K as iterations; DPAdapter's Section 5.1 says "1000 epochs").
+    schedule_unit: str = "epochs"
 
 
 @dataclass(frozen=True)
@@ -100,6 +117,7 @@ class FinetuneConfig:
     max_grad_norm: float = 1.0
     grad_sample_mode: str = "ew"
     physical_batch_size: int | None = None
+    pad_batches: bool | str = "auto"  # pad physical batches to one shape: auto = on CUDA only
     extra_grids: tuple[GridConfig, ...] = ()
     algo_params: dict[str, dict[str, Any]] = field(default_factory=dict)
     strategy: str = "ft"  # dpadapter.strategies: ft (all params), ht (head only), ut (HT, FT)
@@ -133,6 +151,33 @@ class HPOConfig:
     selection: str = "exponential"
     selection_epsilon: float = 0.05
     selection_noise_std: float = 25.0
+    # `regime`: "network" fine-tunes the checkpoint with the registered algorithm (one job per
+    # trial); "linear-probe" is the paper's regime (`dpadapter.hpo.probe`): a zero-initialised
+    # linear head on frozen features, full-batch DP-GD with `momentum`, at every
+    # `target_epsilons` budget, the oracle over `oracle_seeds` training seeds per grid point.
+    regime: str = "network"
+    strategy: str | None = None  # network regime: ft/ht/ut; None = finetune.strategy
+    target_epsilons: tuple[float, ...] = ()
+    oracle_seeds: int = 3
+    momentum: float = 0.9
+    max_grad_norm: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.regime != "linear-probe":
+            return
+        low = min(self.target_epsilons, default=None)
+        if low is None:
+            raise ConfigError("invalid config:\n  hpo.target_epsilons: linear-probe needs >= 1")
+        if self.sweep_epsilons and max(self.sweep_epsilons) >= low:
+            raise ConfigError(
+                "invalid config:\n  hpo.sweep_epsilons: every sweep budget must be below the "
+                f"smallest of hpo.target_epsilons ({low})"
+            )
+
+    @property
+    def budgets(self) -> tuple[float, ...]:
+        """The total budgets the HPO is run for: one per target."""
+        return self.target_epsilons if self.regime == "linear-probe" else (self.target_epsilon,)
 
 
 @dataclass(frozen=True)
@@ -149,7 +194,8 @@ class FedMechanismConfig:
     lr: float
     sample_rate: float = 1.0
     estimate_fraction: float = 0.1  # share of epsilon paying for the T1 rule's estimates
-    estimate_clip: float | None = None  # l2 bound inside the estimates; None = max_grad_norm
+    # bound inside the estimates, in the training clipping's unit; None = max_grad_norm
+    estimate_clip: float | None = None
 
 
 def _fed_gaussian() -> FedMechanismConfig:
@@ -193,6 +239,7 @@ class FederatedConfig:
     ut_t1: str | float = "rule"
     estimate_directions: int = 2
     estimate_radius: float = 0.01
+    estimate_points: int = 1  # models along the trajectory the T1 rule's constants come from
     eval_every: int = 5
     rounds_sweep: tuple[int, ...] = (10, 40)
     sweep_seeds: tuple[int, ...] = ()  # seeds of the rounds sweep; () = `seeds`
@@ -252,6 +299,68 @@ class SweepConfig:
 
 
 @dataclass(frozen=True)
+class AuditConfig:
+    """Empirical privacy audit (`dpadapter.audit`; Steinke, Nasr & Jagielski 2023, one run).
+
+    One run per algorithm x epsilon on `task` (None = the first task) with `canaries` inserted,
+    each with probability 1/2; empty `algorithms` = every registered one. Training settings are
+    `finetune`'s (`epochs` None = finetune.epochs; `n_real` None = the whole training split).
+    Each of `scores` x `guesses` (top-k / bottom-k) is one test; the reported lower bound is
+    their maximum at `confidence` overall (Bonferroni). `federated`: federated mechanisms
+    audited per client (the `federated` section's setting, canaries in client 0).
+    """
+
+    algorithms: tuple[str, ...] = ()
+    epsilons: tuple[float, ...] = (1.0, 4.0)
+    task: str | None = None
+    canaries: int = 2000
+    canary_scale: float = 10.0
+    guesses: tuple[int, ...] = (200, 400, 600)
+    scores: tuple[str, ...] = ("whitebox", "blackbox")
+    confidence: float = 0.95
+    epochs: int | None = None
+    n_real: int | None = None
+    seed: int = 0
+    federated: tuple[str, ...] = ("gaussian", "laplace")  # mechanisms audited (client 0)
+
+
+def _audit(d: dict[str, Any]) -> AuditConfig:
+    out = _tuplify(d, ("algorithms", "epsilons", "guesses", "scores", "federated"))
+    if "epsilons" in out:
+        out["epsilons"] = tuple(float(e) for e in out["epsilons"])
+    return AuditConfig(**out)
+
+
+@dataclass(frozen=True)
+class ReferenceCell:
+    algorithm: str
+    epsilon: float
+    mean: float  # test accuracy %, as published
+    std: float = 0.0
+
+
+@dataclass(frozen=True)
+class ReferenceConfig:
+    """A published table to reproduce: its cells, and which of our runs they compare with."""
+
+    name: str
+    source: str
+    upstream: str
+    task: str
+    cells: tuple[ReferenceCell, ...]
+    baseline: str = "dpsgd"  # ERR = error-rate reduction of `improved` over `baseline`
+    improved: str = "dpsat"
+    notes: str = ""
+
+
+def _reference(d: dict[str, Any] | None) -> ReferenceConfig | None:
+    if not d:
+        return None
+    cells = tuple(ReferenceCell(**c) for c in d.get("cells", ()))
+    return ReferenceConfig(**{**d, "cells": cells})
+
+
+@dataclass(frozen=True)
 class Config:
     data: DataConfig
     public: SplitConfig
@@ -266,12 +375,20 @@ class Config:
     tracking: TrackingConfig
     results_dir: str = "results"
     seed: int = 0
+    device: str = "auto"  # auto | cpu | cuda[:i]; $DPADAPTER_DEVICE overrides (dpadapter.device)
+    tf32: bool = True  # TF32 matmuls/convolutions on CUDA
+    reference: ReferenceConfig | None = None  # a published table shown beside ours
     hpo: HPOConfig = field(default_factory=HPOConfig)
     federated: FederatedConfig = field(default_factory=FederatedConfig)
     sweeps: SweepConfig = field(default_factory=SweepConfig)
+    audit: AuditConfig = field(default_factory=AuditConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def grid_tasks(self) -> tuple[str, ...]:
+        """Tasks the fine-tuning grids use by default: every task not marked `grids: false`."""
+        return tuple(n for n, t in self.tasks.items() if t.grids)
 
     def finetune_grid(self) -> list[tuple[str, str, str, float, int]]:
         """Every (upstream, task, algorithm, epsilon, seed) job, main grid first, no duplicates."""
@@ -280,7 +397,7 @@ class Config:
         jobs: dict[tuple, None] = {}
         for g in grids:
             for u in g.upstreams or self.upstreams:
-                for t in g.tasks or tuple(self.tasks):
+                for t in g.tasks or self.grid_tasks():
                     for a in g.algorithms:
                         for e in g.epsilons or ft.epsilons:
                             for s in g.seeds or ft.seeds:
@@ -302,10 +419,11 @@ def _split(d: dict[str, Any]) -> SplitConfig:
 
 def _hpo(d: dict[str, Any]) -> HPOConfig:
     keys = ("upstreams", "tasks", "algorithms", "seeds", "sweep_epsilons")
-    keys += ("lr_range", "steps_range")
+    keys += ("lr_range", "steps_range", "target_epsilons")
     out = _tuplify(d, keys)
-    if "sweep_epsilons" in out:
-        out["sweep_epsilons"] = tuple(float(e) for e in out["sweep_epsilons"])
+    for k in ("sweep_epsilons", "target_epsilons"):
+        if k in out:
+            out[k] = tuple(float(e) for e in out[k])
     return HPOConfig(**out)
 
 
@@ -324,19 +442,50 @@ def _federated(d: dict[str, Any]) -> FederatedConfig:
     return FederatedConfig(**out)
 
 
-def validate_raw(raw: dict[str, Any]) -> None:
-    """Check the raw mapping against the JSON schema; raise ConfigError naming the bad key."""
+def base_schema() -> dict[str, Any]:
+    """The config's JSON schema as written, without the registries' params schemas."""
+    return yaml.safe_load(SCHEMA_PATH.read_text())
+
+
+# A YAML 1.1 float needs a dot: PyYAML reads `1e-5` (and anything quoted) as a string.
+_NUMBER_TEXT = re.compile(r"^\s*[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?\s*$")
+
+
+def _schema_message(err: Any) -> list[str]:
+    """Lines for one jsonschema error, each starting with the full dotted key it concerns."""
+    where = ".".join(str(p) for p in err.absolute_path)
+    if err.validator == "additionalProperties" and isinstance(err.instance, dict):
+        known = sorted(err.schema.get("properties", {}))
+        what = "parameter" if err.schema.get("x-params") else "key"
+        return [
+            f"{where + '.' if where else ''}{k}: unknown {what}; known: {known}"
+            for k in err.instance
+            if k not in known
+        ]
+    msg = err.message
+    if isinstance(err.instance, str) and _NUMBER_TEXT.match(err.instance):
+        mantissa, *exponent = re.split("[eE]", err.instance.strip())
+        if exponent and "." not in mantissa:
+            fixed = f"{mantissa}.0e{exponent[0]}"
+            msg += f" (YAML reads an exponent without a dot as text: write {fixed})"
+        else:
+            msg += f" (a number in quotes is text: write {err.instance.strip()} unquoted)"
+    return [f"{where or '<top level>'}: {msg}"]
+
+
+def validate_raw(raw: dict[str, Any], schema: dict[str, Any] | None = None) -> None:
+    """Check the raw mapping against the JSON schema; raise ConfigError naming every bad key.
+
+    `schema` defaults to the file as written; `dpadapter.validation` passes it with the
+    registries' params schemas plugged in.
+    """
     import jsonschema
 
-    schema = yaml.safe_load(SCHEMA_PATH.read_text())
-    validator = jsonschema.Draft202012Validator(schema)
-    errors = sorted(validator.iter_errors(raw), key=lambda e: list(e.absolute_path))
+    validator = jsonschema.Draft202012Validator(schema or base_schema())
+    errors = sorted(validator.iter_errors(raw), key=lambda e: [str(p) for p in e.absolute_path])
     if errors:
-        lines = []
-        for err in errors:
-            where = ".".join(str(p) for p in err.absolute_path) or "<top level>"
-            lines.append(f"  {where}: {err.message}")
-        raise ConfigError("invalid config:\n" + "\n".join(lines))
+        lines = [line for err in errors for line in _schema_message(err)]
+        raise ConfigError("invalid config:\n" + "\n".join(f"  {line}" for line in lines))
 
 
 def from_dict(raw: dict[str, Any], validate: bool = True) -> Config:
@@ -365,132 +514,21 @@ def from_dict(raw: dict[str, Any], validate: bool = True) -> Config:
         tracking=TrackingConfig(**raw.get("tracking", {})),
         results_dir=raw.get("results_dir", "results"),
         seed=raw.get("seed", 0),
+        device=raw.get("device", "auto"),
+        tf32=raw.get("tf32", True),
+        reference=_reference(raw.get("reference")),
         hpo=_hpo(raw.get("hpo", {})),
         federated=_federated(raw.get("federated", {})),
         sweeps=SweepConfig(
             **_tuplify(raw.get("sweeps", {}), ("gammas", "methods", "tasks", "seeds"))
         ),
+        audit=_audit(raw.get("audit", {})),
     )
-    check_semantics(cfg)
     return cfg
 
 
-def check_semantics(cfg: Config) -> None:
-    """Cross-field checks the schema cannot express; names resolved against the registries."""
-    from dpadapter.algorithms import ALGORITHMS
-    from dpadapter.data import DATASETS
-    from dpadapter.models import MODEL_NAMES
-    from dpadapter.upstream import UPSTREAMS
-
-    problems = []
-    for where, split in [("public", cfg.public)] + [
-        (f"tasks.{n}", t) for n, t in cfg.tasks.items()
-    ]:
-        if split.dataset not in DATASETS:
-            problems.append(
-                f"{where}.dataset: unknown dataset {split.dataset!r}; known: {sorted(DATASETS)}"
-            )
-    for name in cfg.finetune.algorithms:
-        if name not in ALGORITHMS:
-            problems.append(
-                f"finetune.algorithms: unknown algorithm {name!r}; known: {sorted(ALGORITHMS)}"
-            )
-    for name in cfg.upstreams:
-        if name not in UPSTREAMS:
-            problems.append(
-                f"pretrain.methods: unknown upstream method {name!r}; known: {sorted(UPSTREAMS)}"
-            )
-    for name in cfg.upstream_params:
-        if name not in UPSTREAMS:
-            problems.append(f"pretrain.params: unknown upstream method {name!r}")
-    for name in cfg.finetune.upstreams:
-        if name not in cfg.upstreams:
-            problems.append(f"finetune.upstreams: {name!r} is not in pretrain.methods")
-    for i, g in enumerate(cfg.finetune.extra_grids):
-        where = f"finetune.extra_grids.{i}"
-        for name in g.algorithms:
-            if name not in ALGORITHMS:
-                problems.append(f"{where}.algorithms: unknown algorithm {name!r}")
-        for name in g.upstreams:
-            if name not in cfg.upstreams:
-                problems.append(f"{where}.upstreams: {name!r} is not in pretrain.methods")
-        for name in g.tasks:
-            if name not in cfg.tasks:
-                problems.append(f"{where}.tasks: unknown task {name!r}")
-    for name in cfg.finetune.algo_params:
-        if name not in ALGORITHMS:
-            problems.append(f"finetune.algo_params: unknown algorithm {name!r}")
-    if not cfg.model.name.startswith("timm:") and cfg.model.name not in MODEL_NAMES:
-        problems.append(
-            f"model.name: unknown model {cfg.model.name!r}; "
-            f"known: {sorted(MODEL_NAMES)} or 'timm:<name>'"
-        )
-    if not 0 < cfg.privacy.delta < 1:
-        problems.append("privacy.delta: must be in (0, 1)")
-    for name in cfg.sweeps.methods:
-        if name not in UPSTREAMS:
-            problems.append(f"sweeps.methods: unknown upstream method {name!r}")
-    for name in cfg.sweeps.tasks:
-        if name not in cfg.tasks:
-            problems.append(f"sweeps.tasks: unknown task {name!r}")
-    if cfg.sweeps.algorithm not in ALGORITHMS:
-        problems.append(f"sweeps.algorithm: unknown algorithm {cfg.sweeps.algorithm!r}")
-    problems += _hpo_problems(cfg, set(ALGORITHMS))
-    problems += _federated_problems(cfg)
-    if problems:
-        raise ConfigError("invalid config:\n" + "\n".join(f"  {p}" for p in problems))
-
-
-def _hpo_problems(cfg: Config, algorithms: set[str]) -> list[str]:
-    """Cross-field checks of the `hpo` section (names, ranges, and a budget the trials fit in)."""
-    h, out = cfg.hpo, []
-    for name in h.upstreams:
-        if name not in cfg.upstreams:
-            out.append(f"hpo.upstreams: {name!r} is not in pretrain.methods")
-    for name in h.tasks:
-        if name not in cfg.tasks:
-            out.append(f"hpo.tasks: unknown task {name!r}")
-    for name in h.algorithms:
-        if name not in algorithms:
-            out.append(f"hpo.algorithms: unknown algorithm {name!r}; known: {sorted(algorithms)}")
-    eps = list(h.sweep_epsilons)
-    if eps != sorted(set(eps)):
-        out.append("hpo.sweep_epsilons: must be strictly increasing")
-    if eps and eps[-1] >= h.target_epsilon:
-        out.append("hpo.sweep_epsilons: every sweep budget must be below hpo.target_epsilon")
-    need = {"linear": 2, "quadratic": 3}.get(h.fit, 2)
-    if len(eps) < need:
-        out.append(f"hpo.sweep_epsilons: a {h.fit} fit needs at least {need} sweep budgets")
-    if not 0 < h.lr_range[0] <= h.lr_range[1]:
-        out.append("hpo.lr_range: must be [min, max] with 0 < min <= max")
-    if not 1 <= h.steps_range[0] <= h.steps_range[1]:
-        out.append("hpo.steps_range: must be [min, max] with 1 <= min <= max")
-    return out
-
-
-def _federated_problems(cfg: Config) -> list[str]:
-    """Cross-field checks of the `federated` section (names resolved against the config)."""
-    f, out = cfg.federated, []
-    if f.task is not None and f.task not in cfg.tasks:
-        out.append(f"federated.task: unknown task {f.task!r}; known: {sorted(cfg.tasks)}")
-    for name in f.upstreams:
-        if name not in cfg.upstreams:
-            out.append(f"federated.upstreams: {name!r} is not in pretrain.methods")
-    if "scratch" in f.strategies and "scratch" not in cfg.upstreams:
-        out.append("federated.strategies: 'scratch' needs 'scratch' in pretrain.methods")
-    if any(s != "scratch" for s in f.strategies) and not f.pretrained(cfg.upstreams):
-        out.append("federated.upstreams: no pre-trained upstream for ht/ft/ut")
-    missing = [m for m in f.mechanisms if m not in f.sweep_epsilons] if f.rounds_sweep else []
-    for m in missing:
-        out.append(f"federated.sweep_epsilons: rounds_sweep needs an epsilon for {m!r}")
-    if f.laplace.sample_rate != 1.0:
-        out.append("federated.laplace.sample_rate: must be 1 (Theorem 1 uses every example)")
-    if isinstance(f.ut_t1, str) and f.ut_t1 != "rule":
-        out.append("federated.ut_t1: 'rule' or a fraction in [0, 1]")
-    return out
-
-
-def load(path: str | Path, overrides: dict[str, Any] | None = None) -> Config:
+def read_raw(path: str | Path, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The config file as a plain mapping (not validated), with top-level `overrides` applied."""
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"config file not found: {p}")
@@ -503,6 +541,13 @@ def load(path: str | Path, overrides: dict[str, Any] | None = None) -> Config:
         )
     except (yaml.YAMLError, json.JSONDecodeError) as exc:
         raise ConfigError(f"{p}: not valid YAML: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{p}: the config must be a mapping of sections")
     if overrides:
         raw = {**raw, **overrides}
-    return from_dict(raw)
+    return raw
+
+
+def load(path: str | Path, overrides: dict[str, Any] | None = None) -> Config:
+    """Schema-checked and parsed, without the registry checks (`dpadapter.validation.load`)."""
+    return from_dict(read_raw(path, overrides))

@@ -36,6 +36,7 @@ def main() -> int:
     tags = {"rule": "load", "wildcard.worker": str(index)}
     with tracking.start_run(cfg, run_name=f"load/{index}", tags=tags) as run:
         run.log_params({"worker": index, "grid": {"eps": [1, 4], "seed": index}})
+        run.log_params({"target_epsilon": 4, "noise_multiplier": 1.25, "seed": index})
         for step in range(1, steps + 1):
             run.log_metrics({"loss": 1.0 / step + index, "epsilon_spent": 0.1 * step}, step=step)
         run.log_metrics({"test_accuracy": index / 10})

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -146,7 +147,10 @@ def test_chromium_renders_the_runs_page(mlflow_server, tmp_path):
     require_debian_packages(["chromium"], ["chromium"])
     exp = _post_json(f"{mlflow_server}/api/2.0/mlflow/experiments/search", {"max_results": 100})
     exp_id = next(e["experiment_id"] for e in exp["experiments"] if e["name"] == EXPERIMENT)
-    url = f"{mlflow_server}/#/experiments/{exp_id}/runs"
+    # The URL the docs give: the runs table in the saved view with the DP columns.
+    from dpadapter.tracking import runs_url
+
+    url = runs_url(mlflow_server, exp_id)
     png = tmp_path / "mlflow-runs.png"
     cmd = [
         shutil.which("chromium"), "--headless", "--no-sandbox", "--disable-gpu",
@@ -162,6 +166,13 @@ def test_chromium_renders_the_runs_page(mlflow_server, tmp_path):
     missing = [f"load/{i}" for i in range(N_JOBS) if f">load/{i}<" not in out]
     assert not missing, f"runs page lacks {missing}"
     assert "matching runs" in out
+    # ... with the columns of a DP run: epsilon spent, accuracy, target epsilon and sigma
+    # (MLflow 3.17 shows none of them by default), and their values for every run.
+    for column in ("epsilon_spent", "test_accuracy", "target_epsilon", "noise_multiplier"):
+        assert f">{column}<" in out, f"runs table lacks the column {column}"
+    cell = r'role="gridcell" col-id="metrics.`test_accuracy`"[^>]*>(?:<[^>]*>)*([^<]*)<'
+    shown = sorted(float(v) for v in re.findall(cell, out))
+    assert shown == pytest.approx([i / 10 for i in range(N_JOBS)]), shown
     # ... and the screenshot of it is a rendered page, not a blank one.
     from PIL import Image
 

@@ -74,3 +74,29 @@ def test_over_asking_is_a_clear_error(tiny_raw, tmp_path, monkeypatch):
     tiny_raw["tasks"]["syn-same"]["n_train"] = 10_000
     with pytest.raises(SplitError, match="syn-same"):
         build_splits(from_dict(tiny_raw), [])
+
+
+def test_test_examples_carved_from_the_training_split(tiny_raw, tmp_path, monkeypatch):
+    """DP-SAT's "0.8:0.2 split of the training data" (test_split: train): the test examples
+    come from the source's training pool, after the role's train+val, disjoint from them and
+    from every other role; a public set may draw from the source's test split instead."""
+    monkeypatch.chdir(tmp_path)
+    tiny_raw["public"].update(
+        {"train_split": "test", "test_split": "test", "n_train": 300, "n_test": 100}
+    )
+    tiny_raw["tasks"]["syn-same"]["test_split"] = "train"
+    plan, roles = build_splits(from_dict(tiny_raw))
+    a, pub = plan.allocations["syn-same"], plan.allocations["public"]
+    assert (a.train_split, a.test_split) == ("train", "train")
+    assert (pub.train_split, pub.test_split) == ("test", "test")
+    train_side = [a.train, a.val, a.test, plan.allocations["syn-shift"].train]
+    train_side.append(plan.allocations["syn-shift"].val)
+    allidx = torch.cat(train_side)
+    assert allidx.numel() == allidx.unique().numel(), "an example of the train pool is reused"
+    test_side = torch.cat([pub.train, pub.test, plan.allocations["syn-shift"].test])
+    assert test_side.numel() == test_side.unique().numel()
+    assert len(roles["syn-same"].test) == tiny_raw["tasks"]["syn-same"]["n_test"]
+    from dpadapter.data import load_dataset
+
+    train_pool, _ = load_dataset("synthetic", "data")
+    assert torch.equal(roles["syn-same"].test.tensors[1], train_pool.labels[a.test])

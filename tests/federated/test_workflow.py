@@ -85,4 +85,4 @@ def test_federated_target_end_to_end(tmp_path, tiny_raw):
     rule = json.loads((wd / "results/summary/federated_rule.json").read_text())
     assert rule["n_cells"] == 2
     assert (wd / "results/figures/federated_accuracy_vs_epsilon.png").stat().st_size > 1000
-    assert list((wd / "benchmarks/federated").rglob("*.tsv"))
+    assert list((wd / "results/benchmarks/federated").rglob("*.tsv"))

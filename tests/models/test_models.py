@@ -37,3 +37,24 @@ def test_creation_is_seeded():
     sa, sb, sc = a.state_dict(), b.state_dict(), c.state_dict()
     assert all(torch.equal(sa[k], sb[k]) for k in sa)
     assert not all(torch.equal(sa[k], sc[k]) for k in sa)
+
+
+@pytest.mark.parametrize(
+    "name, groups, expected",
+    [("gnresnet10", 16, 4.90e6), ("dpnas-mnist", 8, 0.21e6)],
+)
+def test_dpsat_table2_models_have_the_papers_parameter_counts(name, groups, expected):
+    """DP-SAT Table 2: GNResNet-10 4.90M, DPNAS-MNIST 0.21M (10 classes, 28x28 grey images)."""
+    from opacus.grad_sample.utils import wrap_model
+
+    model = create_model(ModelConfig(name, groups, 64 if name == "gnresnet10" else 16), 10, 1, 0)
+    n = sum(p.numel() for p in model.parameters())
+    assert round(n / 1e6, 2) == round(expected / 1e6, 2), n
+    assert ModuleValidator.validate(model, strict=False) == []
+    gsm = wrap_model(model, grad_sample_mode="hooks", batch_first=True, loss_reduction="mean")
+    torch.nn.functional.cross_entropy(
+        gsm(torch.randn(2, 1, 28, 28)), torch.tensor([1, 2])
+    ).backward()
+    assert all(p.grad_sample.shape[0] == 2 for p in model.parameters())
+    replace_head(model, 5, seed=1)
+    assert model(torch.randn(2, 1, 28, 28)).shape == (2, 5)

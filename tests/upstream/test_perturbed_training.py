@@ -70,7 +70,7 @@ def test_registered_beside_the_baselines_with_paper_defaults():
     assert (sam["m"], sam["gamma"]) == (100, 1.0) and "refresh_every" not in sam
     for name in ("sam", "dpadapter"):
         assert UPSTREAMS[name].needs_warmup and UPSTREAMS[name].needs_public_data
-    with pytest.raises(ValueError, match="unknown parameters"):
+    with pytest.raises(ValueError, match="m3: unknown parameter"):
         UPSTREAMS["dpadapter"]({"m3": 1})
 
 

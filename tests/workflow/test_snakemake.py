@@ -116,3 +116,15 @@ def test_warmup_runs_once_for_all_upstream_methods(tmp_path, tiny_raw):
     assert r.returncode == 0, r.stderr[-2000:]
     out = r.stdout + r.stderr
     assert "warmup           1" in out and "pretrain         2" in out
+
+
+@pytest.mark.parametrize("name", ["dpsat-table2.yaml", "dpsat-table2-dpnas.yaml"])
+def test_dpsat_table2_config_dry_run_shows_the_table(tmp_path, name):
+    """3 algorithms x 3 epsilons x 5 seeds from scratch, and the paper-vs-ours table."""
+    shutil.copy(REPO / "configs" / name, tmp_path / name)
+    r = _snakemake(tmp_path, "-n", "--configfile", str(tmp_path / name))
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = r.stdout + r.stderr
+    counts = dict(re.findall(r"^(\w+)\s+(\d+)\s*$", out.split("Job stats:", 1)[1], re.M))
+    assert counts["finetune"] == "45" and counts["reference"] == "1", counts
+    assert "warmup" not in counts, counts

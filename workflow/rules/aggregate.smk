@@ -15,7 +15,7 @@ rule aggregate:
         python=python_exe,
         config=config_file,
     log:
-        "logs/aggregate.log",
+        f"{RESULTS}/logs/aggregate.log",
     conda:
         "../../envs/pipeline.yaml"
     resources:
@@ -44,7 +44,7 @@ rule figures:
         config=config_file,
         out=out_dir,
     log:
-        "logs/figures.log",
+        f"{RESULTS}/logs/figures.log",
     conda:
         "../../envs/pipeline.yaml"
     resources:
@@ -54,3 +54,31 @@ rule figures:
     shell:
         "{params.python} -m dpadapter --config {params.config} figures --finetune-csv {input.csv} "
         "--pretrain {input.pretrain} --out {params.out} > {log} 2>&1"
+
+
+REFERENCE_OUT = (
+    [f"{RESULTS}/summary/reference.csv", f"{RESULTS}/summary/reference.md"] if CFG.reference else []
+)
+
+
+rule reference:
+    """A published table beside ours (config `reference`): paper vs ours, mean ± std, ERR."""
+    input:
+        csv=f"{RESULTS}/summary/finetune.csv",
+    output:
+        csv=f"{RESULTS}/summary/reference.csv",
+        md=f"{RESULTS}/summary/reference.md",
+    params:
+        python=python_exe,
+        config=config_file,
+    log:
+        f"{RESULTS}/logs/reference.log",
+    conda:
+        "../../envs/pipeline.yaml"
+    resources:
+        gpu=0,
+        mem_mb=1000,
+        runtime=10,
+    shell:
+        "{params.python} -m dpadapter --config {params.config} reference --finetune-csv {input.csv} "
+        "--csv {output.csv} --md {output.md} > {log} 2>&1"

@@ -3,19 +3,24 @@
 import hashlib
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
 from snakemake.exceptions import WorkflowError
 from snakemake.settings.types import DeploymentMethod
 
-from dpadapter.config import ConfigError, from_dict
+from dpadapter import dvc_sync as _dvc_sync
+from dpadapter import identity as _identity
+from dpadapter import validation as _validation
 from dpadapter.upstream import UPSTREAMS as _UPSTREAM_REGISTRY
 from dpadapter.upstream.variants import VARIANT_RE, parse_variant
 
+# Every check (schema with each method's and algorithm's params schema, registry names, data
+# sizes and files, privacy sanity) lives in dpadapter.validation; see docs/validation.md.
 try:
-    CFG = from_dict(config)
-except ConfigError as exc:
+    CFG = _validation.validate(config, check_files=True)
+except _validation.ConfigError as exc:
     raise WorkflowError(str(exc)) from None
 
 # Opacus calls logging.basicConfig() at import, which would print every Snakemake message twice.
@@ -24,20 +29,51 @@ logging.root.handlers.clear()
 RESULTS = CFG.results_dir
 PYTHON = sys.executable
 UPSTREAMS = list(CFG.upstreams)
-TASKS = list(CFG.tasks)
+TASKS = list(CFG.grid_tasks())  # tasks with `grids: false` are for hpo/federated only
+
+# A results folder holds one config's results (dpadapter.identity, docs/experiments.md): say so
+# before anything is scheduled when it holds another config's; a real run (onstart below, never
+# a dry run) refuses then unless DPADAPTER_ALLOW_OVERWRITE=1, else records this config.
+_IDENTITY_WARNING = _identity.check(CFG)
+if _IDENTITY_WARNING:
+    print(f"warning: {_IDENTITY_WARNING}", file=sys.stderr)
+
+# `dvc pull` restores files with times in no particular order; outputs that are exactly what
+# dvc.lock records are put back into build order before Snakemake compares times
+# (dpadapter.dvc_sync). A no-op outside a DVC project and inside `dvc repro`.
+if workflow.is_main_process:
+    _dvc_sync.restore_build_order(RESULTS)
 
 
-def _effective_config() -> str:
-    """The merged config (configfile + --config overrides) as a content-addressed file for jobs."""
-    text = json.dumps(config, sort_keys=True, default=str)
-    path = Path(RESULTS) / ".config" / f"{hashlib.sha256(text.encode()).hexdigest()[:16]}.json"
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
-    return str(path)
+def _finished_outputs():
+    """Outputs of every job of the finished run (all built or up to date); none after
+    --until/--omit-from, which leave jobs below them outdated."""
+    if workflow.dag_settings.until or workflow.dag_settings.omit_from:
+        return []
+    return [str(f) for job in workflow.dag.jobs for f in job.output]
 
 
-CONFIG_FILE = _effective_config()
+_CONFIG_TEXT = json.dumps(config, sort_keys=True, default=str)
+# The merged config (configfile + --config overrides) as a content-addressed file for jobs.
+CONFIG_FILE = str(
+    Path(RESULTS) / ".config" / f"{hashlib.sha256(_CONFIG_TEXT.encode()).hexdigest()[:16]}.json"
+)
+
+
+def _write_config_file():
+    """Write CONFIG_FILE when a job really runs: a dry run (`-n`) writes nothing anywhere.
+
+    Called from `config_file`, which Snakemake evaluates for each job to run (the parse step
+    cannot tell a dry run; `workflow.dryrun` is known by then). Atomic, as jobs on a cluster
+    may write it at once.
+    """
+    path = Path(CONFIG_FILE)
+    if workflow.dryrun or path.exists():
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(_CONFIG_TEXT)
+    os.replace(tmp, path)
 
 
 def fingerprint(*keys):
@@ -58,6 +94,7 @@ def python_exe(wildcards, input):
 
 
 def config_file(wildcards, input):
+    _write_config_file()
     return CONFIG_FILE
 
 
@@ -81,7 +118,16 @@ def pretrain_fingerprint(wildcards):
 
 
 def pretrain_inputs(wildcards):
-    """Methods that build on the warm-up get its checkpoint; scratch gets nothing."""
+    """Methods that build on the warm-up get its checkpoint; scratch gets nothing.
+
+    A variant asked for on the command line (`results/pretrain/dpadapter+gama=1/...`) is
+    checked against the method's params schema here, while the DAG is built, before any job.
+    """
+    problems = _validation.variant_problems(
+        wildcards.upstream, CFG.upstream_params, "{upstream} wildcard"
+    )
+    if problems:
+        raise WorkflowError("invalid upstream variant:\n" + "\n".join(problems))
     if _UPSTREAM_REGISTRY[parse_variant(wildcards.upstream)[0]].needs_warmup:
         return {"warmup": f"{RESULTS}/warmup/model.pt"}
     return {}
@@ -106,3 +152,12 @@ wildcard_constraints:
     algo="[a-z0-9-]+",
     eps="[0-9]+(\\.[0-9]+)?(e-?[0-9]+)?",
     seed="[0-9]+",
+
+
+onstart:
+    _identity.before_run(CFG)
+
+
+# Record what a successful run built in dvc.lock, so `dvc push` uploads it (dpadapter.dvc_sync).
+onsuccess:
+    _dvc_sync.commit(RESULTS, _finished_outputs())

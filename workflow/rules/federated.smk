@@ -38,9 +38,9 @@ rule federated_run:
         config=config_file,
         out=lambda wc, output: str(Path(output.metrics).parent),
     log:
-        "logs/federated/{upstream}/{strategy}/{mechanism}/eps{eps}/T{rounds}/seed{seed}.log",
+        f"{RESULTS}/logs/federated/{{upstream}}/{{strategy}}/{{mechanism}}/eps{{eps}}/T{{rounds}}/seed{{seed}}.log",
     benchmark:
-        "benchmarks/federated/{upstream}/{strategy}/{mechanism}/eps{eps}/T{rounds}/seed{seed}.tsv"
+        f"{RESULTS}/benchmarks/federated/{{upstream}}/{{strategy}}/{{mechanism}}/eps{{eps}}/T{{rounds}}/seed{{seed}}.tsv"
     conda:
         "../../envs/pipeline.yaml"
     threads: 1
@@ -68,7 +68,7 @@ rule federated_summary:
         python=python_exe,
         config=config_file,
     log:
-        "logs/federated_summary.log",
+        f"{RESULTS}/logs/federated_summary.log",
     conda:
         "../../envs/pipeline.yaml"
     resources:

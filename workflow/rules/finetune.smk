@@ -11,9 +11,9 @@ rule finetune:
         config=config_file,
         out=lambda wc, output: str(Path(output.metrics).parent),
     log:
-        "logs/finetune/{upstream}/{task}/{algo}/eps{eps}/seed{seed}.log",
+        f"{RESULTS}/logs/finetune/{{upstream}}/{{task}}/{{algo}}/eps{{eps}}/seed{{seed}}.log",
     benchmark:
-        "benchmarks/finetune/{upstream}/{task}/{algo}/eps{eps}/seed{seed}.tsv"
+        f"{RESULTS}/benchmarks/finetune/{{upstream}}/{{task}}/{{algo}}/eps{{eps}}/seed{{seed}}.tsv"
     conda:
         "../../envs/pipeline.yaml"
     threads: 1

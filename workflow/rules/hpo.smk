@@ -10,7 +10,19 @@
 #   grid_run      every r of the grid at the whole budget; grid_oracle picks the best (one
 #                 grid per upstream/task/algorithm, trained with the first HPO seed's plan)
 #   hpo_summary   results/summary/hpo.{csv,md} (Table 3 analogue, RERR)
+# That is `hpo.regime: network`. `linear-probe` (the paper's regime, config.yaml's default) runs
+# the rules of hpo_probe.smk instead; both write results/summary/hpo.{csv,md}.
 include: "hpo_helpers.smk"
+include: "hpo_probe.smk"
+
+
+if CFG.hpo.regime == "linear-probe":
+
+    ruleorder: hpo_probe_summary > hpo_summary
+
+else:
+
+    ruleorder: hpo_summary > hpo_probe_summary
 
 
 rule hpo_plan:
@@ -189,9 +201,9 @@ rule grid_run:
         config=config_file,
         out=lambda wc, output: str(Path(output.metrics).parent),
     log:
-        "logs/hpo/{upstream}/{task}/{algo}/grid/p{point}.log",
+        f"{RESULTS}/logs/hpo/{{upstream}}/{{task}}/{{algo}}/grid/p{{point}}.log",
     benchmark:
-        "benchmarks/hpo/{upstream}/{task}/{algo}/grid/p{point}.tsv"
+        f"{RESULTS}/benchmarks/hpo/{{upstream}}/{{task}}/{{algo}}/grid/p{{point}}.tsv"
     threads: 1
     conda:
         "../../envs/pipeline.yaml"
@@ -216,7 +228,7 @@ rule grid_oracle:
         python=python_exe,
         config=config_file,
     log:
-        "logs/hpo/{upstream}/{task}/{algo}/grid_oracle.log",
+        f"{RESULTS}/logs/hpo/{{upstream}}/{{task}}/{{algo}}/grid_oracle.log",
     conda:
         "../../envs/pipeline.yaml"
     resources:
@@ -241,7 +253,7 @@ rule hpo_summary:
         python=python_exe,
         config=config_file,
     log:
-        "logs/hpo/summary.log",
+        f"{RESULTS}/logs/hpo/summary.log",
     conda:
         "../../envs/pipeline.yaml"
     resources:
@@ -255,7 +267,6 @@ rule hpo_summary:
 
 
 rule hpo:
-    """Target: the HPO comparison (not part of `all`)."""
+    """Target: the HPO comparison (not part of `all`), in the configured hpo.regime."""
     input:
-        f"{RESULTS}/summary/hpo.csv",
-        f"{RESULTS}/summary/hpo.md",
+        _hpo_target,

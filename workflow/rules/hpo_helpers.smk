@@ -6,8 +6,8 @@ HPO_JOBS = _hpo_jobs(CFG)
 HPO_GRID_DIR = f"{RESULTS}/hpo/{{upstream}}/{{task}}/{{algo}}"
 HPO_DIR = f"{HPO_GRID_DIR}/seed{{seed}}"
 HPO_GRID_PLAN = f"{HPO_GRID_DIR}/seed{CFG.hpo.seeds[0]}/plan.json"
-HPO_LOG = "logs/hpo/{upstream}/{task}/{algo}/seed{seed}"
-HPO_BENCH = "benchmarks/hpo/{upstream}/{task}/{algo}/seed{seed}"
+HPO_LOG = f"{RESULTS}/logs/hpo/{{upstream}}/{{task}}/{{algo}}/seed{{seed}}"
+HPO_BENCH = f"{RESULTS}/benchmarks/hpo/{{upstream}}/{{task}}/{{algo}}/seed{{seed}}"
 HPO_SWEEPS = range(len(CFG.hpo.sweep_epsilons))
 HPO_TRIALS = range(CFG.hpo.trials_per_sweep)
 HPO_POINTS = range(CFG.hpo.grid_size)
@@ -31,3 +31,28 @@ def _trial_paths(wc, sweeps=None):
     d = HPO_DIR.format(upstream=wc.upstream, task=wc.task, algo=wc.algo, seed=wc.seed)
     ks = HPO_SWEEPS if sweeps is None else sweeps
     return [f"{d}/trials/s{k}/t{i}/metrics.json" for k in ks for i in HPO_TRIALS]
+
+
+# The linear-probe regime (hpo_probe.smk): one feature file, oracle and summary per
+# (upstream, task); one replicate per HPO seed.
+def _probe_expand(pattern, seeds=False):
+    h = CFG.hpo
+    pairs = [(u, t) for u in (h.upstreams or CFG.upstreams) for t in (h.tasks or tuple(CFG.tasks))]
+    return list(
+        dict.fromkeys(
+            pattern.format(upstream=u, task=t, seed=s)
+            for u, t in pairs
+            for s in (h.seeds if seeds else [None])
+        )
+    )
+
+
+def _probe_fp(wc):
+    return fingerprint("data", "public", "privacy", "hpo") + json.dumps(
+        config["tasks"][wc.task], sort_keys=True
+    )
+
+
+def _hpo_target(wc):
+    out = [f"{RESULTS}/summary/hpo.csv", f"{RESULTS}/summary/hpo.md"]
+    return out + ([f"{RESULTS}/summary/hpo.json"] if CFG.hpo.regime == "linear-probe" else [])

@@ -12,9 +12,9 @@ rule pretrain:
         out=out_dir,
         warmup=lambda wc, input: f"--warmup {input.warmup}" if "warmup" in input.keys() else "",
     log:
-        "logs/pretrain/{upstream}.log",
+        f"{RESULTS}/logs/pretrain/{{upstream}}.log",
     benchmark:
-        "benchmarks/pretrain/{upstream}.tsv"
+        f"{RESULTS}/benchmarks/pretrain/{{upstream}}.tsv"
     conda:
         "../../envs/pipeline.yaml"
     threads: workflow.cores

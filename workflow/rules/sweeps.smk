@@ -29,7 +29,7 @@ rule sweeps:
         config=config_file,
         out=out_dir,
     log:
-        "logs/sweeps.log",
+        f"{RESULTS}/logs/sweeps.log",
     conda:
         "../../envs/pipeline.yaml"
     resources:

@@ -9,9 +9,9 @@ rule warmup:
         config=config_file,
         out=out_dir,
     log:
-        "logs/warmup.log",
+        f"{RESULTS}/logs/warmup.log",
     benchmark:
-        "benchmarks/warmup.tsv"
+        f"{RESULTS}/benchmarks/warmup.tsv"
     conda:
         "../../envs/pipeline.yaml"
     threads: workflow.cores

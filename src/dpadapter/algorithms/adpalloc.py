@@ -13,6 +13,7 @@ import math
 from typing import Any
 
 from dpadapter.algorithms.base import DPAlgorithm, register_algorithm
+from dpadapter.param_schema import NON_NEGATIVE, params_object
 from dpadapter.privacy import Segment, epsilon_from_history
 from dpadapter.privacy import accounting as _acc
 
@@ -96,6 +97,8 @@ class AdpAlloc(DPAlgorithm):
     `decay` is k per epoch (the DPAdapter paper does not state it; tune it in
     finetune.algo_params.adpalloc). Calibration is cached next to the constant-sigma cache.
     """
+
+    params_schema = params_object(decay=NON_NEGATIVE)
 
     @classmethod
     def default_params(cls) -> dict[str, Any]:

@@ -28,6 +28,7 @@ import torch
 from opacus.optimizers import AdaClipDPOptimizer, DPOptimizer
 
 from dpadapter.algorithms.base import DPAlgorithm, Release, register_algorithm
+from dpadapter.param_schema import FRACTION, NON_NEGATIVE, POSITIVE, nullable, params_object
 
 
 def gradient_noise_multiplier(sigma: float, count_noise: float) -> float:
@@ -45,7 +46,11 @@ class CentredAdaClipOptimizer(AdaClipDPOptimizer):
         self.count_signal: float | None = None  # last release's centred count, and its noise
         self.count_noise: float | None = None
         self.sample_size = 0
-        self.unclipped_num = torch.zeros(())
+        self.unclipped_num = self._zero_count()
+
+    def _zero_count(self) -> torch.Tensor:
+        """The count lives where its noise is drawn (Opacus uses it as the noise's reference)."""
+        return torch.zeros((), device=self.generator.device if self.generator else None)
 
     def zero_grad(self, set_to_none: bool = False) -> None:
         skipped = self._is_last_step_skipped
@@ -54,7 +59,7 @@ class CentredAdaClipOptimizer(AdaClipDPOptimizer):
         if skipped:  # inside a logical batch: keep counting
             self.sample_size, self.unclipped_num = counts
         else:
-            self.sample_size, self.unclipped_num = 0, torch.zeros(())
+            self.sample_size, self.unclipped_num = 0, self._zero_count()
 
     def clip_and_accumulate(self) -> None:
         """Count, then DPOptimizer's clipping.
@@ -69,7 +74,12 @@ class CentredAdaClipOptimizer(AdaClipDPOptimizer):
         if n:
             norms = torch.stack([g.reshape(n, -1).norm(2, dim=-1) for g in samples], dim=1)
             factor = (self.max_grad_norm / (norms.norm(2, dim=1) + 1e-6)).clamp(max=1.0)
-            self.unclipped_num = self.unclipped_num + (factor >= 1).sum()
+            unclipped = factor >= 1
+            valid = getattr(self, "valid_rows", None)  # padded rows are not examples
+            if valid is not None:
+                unclipped = unclipped & valid
+                n = int(valid.sum())
+            self.unclipped_num = self.unclipped_num + unclipped.sum()
             self.sample_size += n
         DPOptimizer.clip_and_accumulate(self)
 
@@ -103,6 +113,14 @@ class AdpClip(DPAlgorithm):
         "gradient sum (sensitivity C_t, noise multiplier (sigma^-2 - (2 sigma_b)^-2)^-1/2) and "
         "the centred unclipped count (sensitivity 1/2, noise std sigma_b); their joint "
         "multiplier is exactly sigma, which the ledger records (Andrew et al. 2021, Theorem 1)."
+    )
+
+    params_schema = params_object(
+        target_quantile=FRACTION,
+        clip_lr=NON_NEGATIVE,
+        count_noise=nullable(POSITIVE),
+        min_clip=POSITIVE,
+        max_clip=POSITIVE,
     )
 
     @classmethod

@@ -34,6 +34,7 @@ import torch
 from opacus.optimizers import DPOptimizer
 from torch import nn
 
+from dpadapter.param_schema import param_errors, params_object
 from dpadapter.privacy import PrivacyLedger, calibrate_sigma
 
 ALGORITHMS: dict[str, type[DPAlgorithm]] = {}
@@ -117,13 +118,15 @@ class DPAlgorithm:
     # Whether `set_public_data` must be called before `make_optimizer` (GEP's anchors).
     needs_public_data: ClassVar[bool] = False
 
+    # JSON schema of `finetune.algo_params.<name>`: the config validation refuses a typo or a
+    # wrong type before any job, and the constructor checks it again.
+    params_schema: ClassVar[dict[str, Any]] = params_object()
+
     def __init__(self, spec: DPRunSpec, ledger: PrivacyLedger, generator: torch.Generator):
-        unknown = set(spec.params) - set(self.default_params())
-        if unknown:
-            raise ValueError(
-                f"{self.name}: unknown parameters {sorted(unknown)}; "
-                f"known: {sorted(self.default_params())}"
-            )
+        where = f"finetune.algo_params.{self.name}"
+        problems = param_errors(self.params_schema, spec.params, where)
+        if problems:
+            raise ValueError(f"{self.name}: invalid parameters:\n  " + "\n  ".join(problems))
         self.spec = spec
         self.params = {**self.default_params(), **spec.params}
         self.ledger = ledger
@@ -138,6 +141,18 @@ class DPAlgorithm:
     @classmethod
     def default_params(cls) -> dict[str, Any]:
         return {}
+
+    def param_at_epsilon(self, name: str) -> Any:
+        """`params[name]`, or its entry for this run's target epsilon in `<name>_by_epsilon`.
+
+        A table without the run's epsilon falls back to `params[name]`; keys are matched as
+        numbers, so YAML's `{1: 0.05}` and JSON's `{"1": 0.05}` mean the same.
+        """
+        table = self.params.get(f"{name}_by_epsilon") or {}
+        for eps, value in table.items():
+            if math.isclose(float(eps), self.spec.target_epsilon, rel_tol=1e-9):
+                return value
+        return self.params[name]
 
     def set_public_data(self, dataset: torch.utils.data.Dataset) -> None:
         """Public (non-private) examples; only algorithms with `needs_public_data` use them."""

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from dpadapter.algorithms.base import DPAlgorithm, global_norm, param_copies, register_algorithm
+from dpadapter.param_schema import NON_NEGATIVE, by_epsilon, params_object
 
 
 @register_algorithm("dpsam")
@@ -44,9 +45,11 @@ class DPSAM(DPAlgorithm):
         "exact joint multiplier of the two queries."
     )
 
+    params_schema = params_object(rho=NON_NEGATIVE, rho_by_epsilon=by_epsilon(NON_NEGATIVE))
+
     @classmethod
     def default_params(cls) -> dict[str, Any]:
-        return {"rho": 0.05}
+        return {"rho": 0.05, "rho_by_epsilon": None}
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
@@ -96,7 +99,7 @@ class DPSAM(DPAlgorithm):
         self._pending_releases.append(self._gradient_release("ascent", opt, opt.noise_multiplier))
         direction = [p.grad.detach() for p in opt.params]
         norm = float(global_norm(direction))
-        rho = float(self.params["rho"])
+        rho = float(self.param_at_epsilon("rho"))
         backup = param_copies(opt)
         if rho != 0 and norm > 0:
             with torch.no_grad():

@@ -15,6 +15,7 @@ from opacus.optimizers import DPOptimizer
 from torch import nn
 
 from dpadapter.algorithms.base import DPAlgorithm, all_params, global_norm, register_algorithm
+from dpadapter.param_schema import FRACTION, NON_NEGATIVE, by_epsilon, nullable, params_object
 
 
 @register_algorithm("dpsat")
@@ -31,9 +32,11 @@ class DPSAT(DPAlgorithm):
     The first step has no previous release and takes a plain DP-SGD step.
     """
 
+    params_schema = params_object(rho=NON_NEGATIVE, rho_by_epsilon=by_epsilon(NON_NEGATIVE))
+
     @classmethod
     def default_params(cls) -> dict[str, Any]:
-        return {"rho": 0.03}
+        return {"rho": 0.03, "rho_by_epsilon": None}
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
@@ -47,7 +50,7 @@ class DPSAT(DPAlgorithm):
         if not first or self._direction is None or self._backup is not None:
             return
         assert self.optimizer is not None
-        rho = float(self.params["rho"])
+        rho = float(self.param_at_epsilon("rho"))
         pairs = [
             (i, p, d)
             for i, (p, d) in enumerate(
@@ -102,9 +105,13 @@ class DPSATMomentum(DPSAT):
     optimizer's momentum, as the paper does; the paper tunes rho about 10x larger than DP-SAT's.
     """
 
+    params_schema = params_object(
+        rho=NON_NEGATIVE, rho_by_epsilon=by_epsilon(NON_NEGATIVE), beta=nullable(FRACTION)
+    )
+
     @classmethod
     def default_params(cls) -> dict[str, Any]:
-        return {"rho": 0.3, "beta": None}
+        return {"rho": 0.3, "rho_by_epsilon": None, "beta": None}
 
     def _beta(self) -> float:
         if self.params["beta"] is not None:

@@ -27,6 +27,13 @@ from opacus.optimizers.optimizer import _check_processed_flag, _generate_noise, 
 from torch import nn
 
 from dpadapter.algorithms.base import DPAlgorithm, Release, register_algorithm
+from dpadapter.param_schema import (
+    NON_NEGATIVE_INT,
+    POSITIVE,
+    POSITIVE_INT,
+    nullable,
+    params_object,
+)
 
 
 def split_groups(sizes: list[int], num_groups: int) -> list[list[int]]:
@@ -54,7 +61,8 @@ def power_method(
     """
     m, d = anchors.shape
     k = max(1, min(num_bases, m, d))
-    v = torch.randn(d, k, generator=generator, dtype=anchors.dtype).to(anchors.device)
+    v = torch.randn(d, k, generator=generator, dtype=anchors.dtype, device=generator.device)
+    v = v.to(anchors.device)
     for _ in range(iters):
         v = anchors.T @ (anchors @ v)
         v, _ = torch.linalg.qr(v)
@@ -232,6 +240,17 @@ class GEP(DPAlgorithm):
         "from public data and the current weights only."
     )
 
+    params_schema = params_object(
+        num_bases=POSITIVE_INT,
+        num_groups=POSITIVE_INT,
+        power_iters=NON_NEGATIVE_INT,
+        public_batch_size=POSITIVE_INT,
+        anchor_every=POSITIVE_INT,
+        public_labels={"enum": ["predicted", "given"]},
+        embedding_clip=nullable(POSITIVE),
+        residual_clip=nullable(POSITIVE),
+    )
+
     @classmethod
     def default_params(cls) -> dict[str, Any]:
         return {
@@ -314,7 +333,8 @@ class GEP(DPAlgorithm):
         assert opt is not None and self._public is not None
         x_all, y_all = self._public
         m = min(int(self.params["public_batch_size"]), len(x_all))
-        idx = torch.randperm(len(x_all), generator=self.generator)[:m]
+        idx = torch.randperm(len(x_all), generator=self.generator, device=self.generator.device)
+        idx = idx[:m].to(x_all.device)
         device = opt.params[0].device
         x = x_all[idx].to(device)
         if self.params["public_labels"] == "predicted":

@@ -40,14 +40,48 @@ Loader = Callable[[Path, bool], tuple[ArraySplit, ArraySplit]]
 DATASETS: dict[str, Loader] = {}
 
 
-def register_dataset(name: str) -> Callable[[Loader], Loader]:
+@dataclass(frozen=True)
+class DatasetInfo:
+    """What the config validation needs to know of a dataset without loading it.
+
+    `train_counts[c]` / `test_counts[c]` are the examples of class c in the source's train and
+    test splits (so class ids, split sizes and delta <= 1/n are checked before any job);
+    `missing(root, download)` is a cheap look for the files, returning the loader's own
+    "not available offline" message, or None when the loader will find (or fetch) them.
+    """
+
+    train_counts: tuple[int, ...]
+    test_counts: tuple[int, ...]
+    missing: Callable[[Path, bool], str | None] = lambda root, download: None
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.train_counts)
+
+
+DATASET_INFO: dict[str, DatasetInfo] = {}
+
+
+def register_dataset(name: str, info: DatasetInfo) -> Callable[[Loader], Loader]:
     def deco(fn: Loader) -> Loader:
         if name in DATASETS:
             raise KeyError(f"dataset {name!r} registered twice")
         DATASETS[name] = fn
+        DATASET_INFO[name] = info
         return fn
 
     return deco
+
+
+def cache_path(name: str, root: str | Path) -> Path:
+    return Path(root) / ".cache" / f"{name}.pt"
+
+
+def missing_files(name: str, root: str | Path, download: bool) -> str | None:
+    """None if `load_dataset(name, root, download)` will find its data, else why it will not."""
+    if cache_path(name, root).is_file():
+        return None
+    return DATASET_INFO[name].missing(Path(root), download)
 
 
 def load_dataset(
@@ -57,7 +91,7 @@ def load_dataset(
         loader = DATASETS[name]
     except KeyError:
         raise KeyError(f"unknown dataset {name!r}; known: {sorted(DATASETS)}") from None
-    cache = Path(root) / ".cache" / f"{name}.pt"
+    cache = cache_path(name, root)
     if cache.is_file():
         d = torch.load(cache, weights_only=True)
         return ArraySplit(*d["train"]), ArraySplit(*d["test"])

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from dpadapter.compat.torchvision_ops import import_torchvision
-from dpadapter.data.registry import ArraySplit, DatasetUnavailable, register_dataset
+from dpadapter.data.registry import ArraySplit, DatasetInfo, DatasetUnavailable, register_dataset
 
 DEBIAN_FASHION_MNIST = Path("/usr/share/datasets/fashion-mnist")
 _FMNIST_FILES = (
@@ -43,13 +43,34 @@ def _missing(name: str, root: Path, files: list[str], hint: str) -> DatasetUnava
     )
 
 
+_FMNIST_HINT = (
+    "install Debian's dataset-fashion-mnist (apt-get install dataset-fashion-mnist), "
+    "or set data.download: true where there is internet."
+)
+
+
+def _fmnist_missing(raw: Path, debian_dir: Path) -> tuple[list[str], bool]:
+    """Idx files absent from `raw`, and whether Debian's package can supply all of them."""
+    missing = [f for f in _FMNIST_FILES if not (raw / f).is_file()]
+    return missing, all((debian_dir / f"{f}.gz").is_file() for f in missing)
+
+
+def fashion_mnist_missing(root: Path, download: bool, debian_dir: Path | None = None) -> str | None:
+    """The message `prepare_fashion_mnist` would raise, found without touching any file."""
+    raw = root / "FashionMNIST" / "raw"
+    missing, from_debian = _fmnist_missing(raw, debian_dir or DEBIAN_FASHION_MNIST)
+    if not missing or from_debian or download:
+        return None
+    return str(_missing("fashion-mnist", raw, missing, _FMNIST_HINT))
+
+
 def prepare_fashion_mnist(
     root: Path, download: bool, debian_dir: Path = DEBIAN_FASHION_MNIST
 ) -> Path:
     """Put the raw idx files where torchvision looks (`<root>/FashionMNIST/raw/`)."""
     raw = root / "FashionMNIST" / "raw"
-    missing = [f for f in _FMNIST_FILES if not (raw / f).is_file()]
-    if missing and all((debian_dir / f"{f}.gz").is_file() for f in missing):
+    missing, from_debian = _fmnist_missing(raw, debian_dir)
+    if missing and from_debian:
         raw.mkdir(parents=True, exist_ok=True)
         for f in missing:
             tmp = raw / f"{f}.part"
@@ -58,17 +79,32 @@ def prepare_fashion_mnist(
             tmp.replace(raw / f)
         missing = []
     if missing and not download:
-        raise _missing(
-            "fashion-mnist",
-            raw,
-            missing,
-            "install Debian's dataset-fashion-mnist (apt-get install dataset-fashion-mnist), "
-            "or set data.download: true where there is internet.",
-        )
+        raise _missing("fashion-mnist", raw, missing, _FMNIST_HINT)
     return raw
 
 
-@register_dataset("fashion-mnist")
+def _torchvision_missing(name: str, files: list[str]):
+    """A cheap look for the files torchvision reads (a folder name ends with /)."""
+
+    def missing(root: Path, download: bool) -> str | None:
+        absent = [f for f in files if not (root / f).exists()]
+        if not absent or download:
+            return None
+        return str(_missing(name, root, absent, "set data.download: true where there is internet"))
+
+    return missing
+
+
+_CIFAR10_FILES = ["cifar-10-batches-py/"]
+_CIFAR100_FILES = ["cifar-100-python/"]
+_SVHN_FILES = ["train_32x32.mat", "test_32x32.mat"]
+_STL10_FILES = ["stl10_binary/"]
+# SVHN's classes are unbalanced (digit 0 is label 0, as torchvision maps it).
+_SVHN_TRAIN = (4948, 13861, 10585, 8497, 7458, 6882, 5727, 5595, 5045, 4659)
+_SVHN_TEST = (1744, 5099, 4149, 2882, 2523, 2384, 1977, 2019, 1660, 1595)
+
+
+@register_dataset("fashion-mnist", DatasetInfo((6000,) * 10, (1000,) * 10, fashion_mnist_missing))
 def fashion_mnist(root: Path, download: bool) -> tuple[ArraySplit, ArraySplit]:
     prepare_fashion_mnist(root, download)
     tv = import_torchvision()
@@ -99,14 +135,17 @@ def _torchvision_pair(
     )
 
 
-@register_dataset("cifar10")
+@register_dataset(
+    "cifar10",
+    DatasetInfo((5000,) * 10, (1000,) * 10, _torchvision_missing("cifar10", _CIFAR10_FILES)),
+)
 def cifar10(root: Path, download: bool):
     return _torchvision_pair(
         "cifar10",
         "CIFAR10",
         root,
         download,
-        ["cifar-10-batches-py/"],
+        _CIFAR10_FILES,
         {"train": True},
         {"train": False},
         "targets",
@@ -114,14 +153,17 @@ def cifar10(root: Path, download: bool):
     )
 
 
-@register_dataset("cifar100")
+@register_dataset(
+    "cifar100",
+    DatasetInfo((500,) * 100, (100,) * 100, _torchvision_missing("cifar100", _CIFAR100_FILES)),
+)
 def cifar100(root: Path, download: bool):
     return _torchvision_pair(
         "cifar100",
         "CIFAR100",
         root,
         download,
-        ["cifar-100-python/"],
+        _CIFAR100_FILES,
         {"train": True},
         {"train": False},
         "targets",
@@ -129,14 +171,16 @@ def cifar100(root: Path, download: bool):
     )
 
 
-@register_dataset("svhn")
+@register_dataset(
+    "svhn", DatasetInfo(_SVHN_TRAIN, _SVHN_TEST, _torchvision_missing("svhn", _SVHN_FILES))
+)
 def svhn(root: Path, download: bool):
     return _torchvision_pair(
         "svhn",
         "SVHN",
         root,
         download,
-        ["train_32x32.mat", "test_32x32.mat"],
+        _SVHN_FILES,
         {"split": "train"},
         {"split": "test"},
         "labels",
@@ -144,14 +188,17 @@ def svhn(root: Path, download: bool):
     )
 
 
-@register_dataset("stl10")
+@register_dataset(
+    "stl10",
+    DatasetInfo((500,) * 10, (800,) * 10, _torchvision_missing("stl10", _STL10_FILES)),
+)
 def stl10(root: Path, download: bool):
     return _torchvision_pair(
         "stl10",
         "STL10",
         root,
         download,
-        ["stl10_binary/"],
+        _STL10_FILES,
         {"split": "train"},
         {"split": "test"},
         "labels",
@@ -159,7 +206,8 @@ def stl10(root: Path, download: bool):
     )
 
 
-@register_dataset("synthetic")
+# labels are arange(n) % 10 of the default sizes: exactly 300 / 100 per class.
+@register_dataset("synthetic", DatasetInfo((300,) * 10, (100,) * 10))
 def synthetic(root: Path, download: bool, n_train: int = 3000, n_test: int = 1000):
     """Ten classes of 1x16x16 images: a fixed random template per class plus pixel noise.
 

@@ -11,6 +11,7 @@ statistic leaks into pre-processing.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +35,8 @@ class Allocation:
     train: torch.Tensor
     val: torch.Tensor
     test: torch.Tensor
+    train_split: str = "train"  # which source split `train` and `val` index
+    test_split: str = "test"  # which source split `test` indexes
 
 
 @dataclass(frozen=True)
@@ -44,6 +47,19 @@ class RoleData:
     val: TensorDataset
     test: TensorDataset
     allocation: Allocation
+
+    def to(self, device: torch.device) -> RoleData:
+        """The splits on `device` when they fit there (dpadapter.device.place), else pinned."""
+        from dpadapter.device import place
+
+        if device.type == "cpu":
+            return self
+        return dataclasses.replace(
+            self,
+            train=place(self.train, device),
+            val=place(self.val, device),
+            test=place(self.test, device),
+        )
 
 
 @dataclass(frozen=True)
@@ -76,9 +92,10 @@ def allocate(cfg: Config, pools: dict[str, tuple[ArraySplit, ArraySplit]]) -> di
     perms: dict[tuple[str, str], torch.Tensor] = {}
     out = {}
     for name, sc in roles:
-        train_pool, test_pool = pools[sc.dataset]
-        classes = sc.classes or tuple(sorted(set(train_pool.labels.tolist())))
-        for which, pool in (("train", train_pool), ("test", test_pool)):
+        by_split = dict(zip(("train", "test"), pools[sc.dataset], strict=True))
+        train_pool, test_pool = by_split[sc.train_split], by_split[sc.test_split]
+        classes = sc.classes or tuple(sorted(set(by_split["train"].labels.tolist())))
+        for which, pool in by_split.items():
             key = (sc.dataset, which)
             if key not in free:
                 free[key] = torch.ones(len(pool), dtype=torch.bool)
@@ -86,7 +103,7 @@ def allocate(cfg: Config, pools: dict[str, tuple[ArraySplit, ArraySplit]]) -> di
                     cfg.data.split_seed * 1_000_003 + (which == "test")
                 )
                 perms[key] = torch.randperm(len(pool), generator=g)
-        tr_key, te_key = (sc.dataset, "train"), (sc.dataset, "test")
+        tr_key, te_key = (sc.dataset, sc.train_split), (sc.dataset, sc.test_split)
         n_fit = None if sc.n_train is None else sc.n_train + sc.n_val
         fit = _take(
             train_pool.labels, free[tr_key], classes, n_fit, perms[tr_key], f"{name} (train+val)"
@@ -98,7 +115,9 @@ def allocate(cfg: Config, pools: dict[str, tuple[ArraySplit, ArraySplit]]) -> di
         test = _take(
             test_pool.labels, free[te_key], classes, sc.n_test, perms[te_key], f"{name} (test)"
         )
-        out[name] = Allocation(sc.dataset, tuple(classes), train, val, test)
+        out[name] = Allocation(
+            sc.dataset, tuple(classes), train, val, test, sc.train_split, sc.test_split
+        )
     return out
 
 
@@ -116,6 +135,10 @@ def _relabel(labels: torch.Tensor, classes: tuple[int, ...]) -> torch.Tensor:
     return lut[labels]
 
 
+def _split_pool(pools, dataset: str, split: str) -> ArraySplit:
+    return pools[dataset][0 if split == "train" else 1]
+
+
 def load_pools(cfg: Config) -> dict[str, tuple[ArraySplit, ArraySplit]]:
     names = {cfg.public.dataset, *(t.dataset for t in cfg.tasks.values())}
     return {n: load_dataset(n, cfg.data.root, cfg.data.download) for n in sorted(names)}
@@ -128,7 +151,7 @@ def build_splits(
     pools = load_pools(cfg)
     allocs = allocate(cfg, pools)
     pub = allocs["public"]
-    pub_train = pools[pub.dataset][0].images[pub.train]
+    pub_train = _split_pool(pools, pub.dataset, pub.train_split).images[pub.train]
     image_size = cfg.data.image_size or int(pub_train.shape[-1])
     x_pub = _to_float(pub_train, image_size)
     mean = x_pub.mean(dim=(0, 2, 3))
@@ -142,7 +165,8 @@ def build_splits(
         if name not in allocs:
             raise KeyError(f"unknown role {name!r}; known: {sorted(allocs)}")
         a = allocs[name]
-        train_pool, test_pool = pools[a.dataset]
+        train_pool = _split_pool(pools, a.dataset, a.train_split)
+        test_pool = _split_pool(pools, a.dataset, a.test_split)
         parts = []
         for pool, idx in ((train_pool, a.train), (train_pool, a.val), (test_pool, a.test)):
             x = _to_float(pool.images[idx], image_size)

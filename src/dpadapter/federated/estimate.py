@@ -80,7 +80,10 @@ class RuleDecision:
     p: int
     n: int
     clients: int
-    step_size_condition: bool  # beta < sqrt(T) / (2 L), the theorems' assumption
+    step_size_condition: bool  # lr < 1 / (2 L) (beta < sqrt(T) / (2 L)), the theorems' assumption
+    lr: float = 0.0
+    lr_bound: float = math.inf  # 1 / (2 L_check)
+    L_check: float = 0.0  # the L the condition is checked with (largest along the trajectory)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -92,7 +95,7 @@ def random_directions(params: list[nn.Parameter], k: int, radius: float, seed: i
     theta_norm = torch.linalg.vector_norm(torch.cat([p.detach().reshape(-1) for p in params]))
     out = []
     for _ in range(k):
-        u = [torch.randn(p.shape, generator=g, dtype=p.dtype) for p in params]
+        u = [torch.randn(p.shape, generator=g, dtype=p.dtype).to(p.device) for p in params]
         norm = torch.linalg.vector_norm(torch.cat([t.reshape(-1) for t in u]))
         out.append([t * (radius * float(theta_norm) / float(norm)) for t in u])
     return out
@@ -101,7 +104,8 @@ def random_directions(params: list[nn.Parameter], k: int, radius: float, seed: i
 def _clipped_sums(gsm, x, y, clip: float, norm: str, chunk: int, with_head: bool, stat_clip: float):
     """Sums over the examples of clipped per-example gradients (full and head-only) and of
     their squared l2 norms. Per-example gradients come from Opacus' GradSampleModule; each is
-    clipped as in training (`norm` ball of radius `clip`), then to l2 norm `stat_clip`."""
+    clipped as in training (`norm` ball of radius `clip`), then to `norm` <= `stat_clip` (the
+    same unit: l2 for Gaussian, l1 for Laplace)."""
     params = [p for p in gsm.parameters() if p.requires_grad]
     head_ids = {id(p) for p in get_head_params(gsm._module)}
     sum_full = [torch.zeros_like(p) for p in params]
@@ -125,7 +129,10 @@ def _clipped_sums(gsm, x, y, clip: float, norm: str, chunk: int, with_head: bool
                 nrm = torch.stack([gs[j].abs().sum(1) for j in idx], 1).sum(1)
             f = (clip / (nrm + 1e-6)).clamp(max=1.0)
             l2sq = torch.stack([gs[j].pow(2).sum(1) for j in idx], 1).sum(1)
-            f = f * (stat_clip / (f * l2sq.sqrt() + 1e-6)).clamp(max=1.0)
+            # The statistics' bound is in the training clipping's own unit (l1 for Laplace):
+            # the estimate measures the gradients as training clips them. l2 <= l1, so an l1
+            # bound c is also the l2 bound the sensitivities use.
+            f = f * (stat_clip / (f * nrm + 1e-6)).clamp(max=1.0)
             target = sum_full if part == "full" else sum_head
             for t, j in zip(target, idx, strict=True):
                 t += (f[:, None] * gs[j]).sum(0).view_as(t)
@@ -228,9 +235,10 @@ def privatize(
     values = [raw[k] for k in STAT_NAMES] + list(raw["ell"])
     sens = sensitivities(mechanism, clip, d_i, len(raw["ell"]))
     m = len(values)
-    ref = torch.zeros(m, dtype=torch.float64)
+    # float64 noise drawn where the client's generator lives (CPU, or the GPU of the run)
+    ref = torch.zeros(m, dtype=torch.float64, device=generator.device)
     if mechanism == GAUSSIAN:
-        z = torch.randn(m, generator=generator, dtype=torch.float64)
+        z = torch.randn(m, generator=generator, dtype=torch.float64, device=generator.device)
         noisy = [
             v + float(zi) * noise * math.sqrt(m) * s
             for v, zi, s in zip(values, z, sens, strict=True)
@@ -301,12 +309,27 @@ def rule_terms(c: RuleConstants, T: int, N: int, beta: float, p: int, noise_var:
 
 
 def decide(
-    c: RuleConstants, T: int, N: int, lr: float, p: int, n: int, noise_var: float
+    c: RuleConstants,
+    T: int,
+    N: int,
+    lr: float,
+    p: int,
+    n: int,
+    noise_var: float,
+    L_check: float | None = None,
 ) -> RuleDecision:
-    """T1 minimising E0 + E1 T1 + E2 (T - T1): T (HT) if E1 < E2, else 0 (FT)."""
+    """T1 minimising E0 + E1 T1 + E2 (T - T1): T (HT) if E1 < E2, else 0 (FT).
+
+    Theorems 2-3 assume the step size eta = beta / sqrt(T) = lr is below 1 / (2 L);
+    `step_size_condition` says whether it is, for `L_check` (default c.L; the stage passes the
+    largest L estimated along the trajectory). When it does not hold the bound, and so the
+    rule, is outside its theorem: the decision is still returned and the stage reports it.
+    """
     beta = lr * math.sqrt(T)
     e1, e2 = rule_terms(c, T, N, beta, p, noise_var)
     t1 = T if e1 < e2 else 0
+    lc = c.L if L_check is None else float(L_check)
+    bound = math.inf if lc <= 0 else 1.0 / (2.0 * lc)
     return RuleDecision(
         E1=e1,
         E2=e2,
@@ -318,8 +341,24 @@ def decide(
         p=p,
         n=n,
         clients=N,
-        step_size_condition=bool(c.L == 0 or beta < math.sqrt(T) / (2 * c.L)),
+        step_size_condition=bool(lr < bound),
+        lr=lr,
+        lr_bound=bound,
+        L_check=lc,
     )
+
+
+def trajectory_constants(points: list[RuleConstants]) -> RuleConstants:
+    """Constants over the estimation points along the trajectory: the mean of each.
+
+    The theorems' constants bound quantities over every iterate; one estimate at theta_0 sees
+    only the start. The mean over points keeps each estimate's noise from dominating; the
+    step-size check uses the largest L (`decide(L_check=...)`), the conservative reading.
+    """
+    if not points:
+        raise ValueError("no estimation points")
+    fields = RuleConstants.__dataclass_fields__
+    return RuleConstants(**{f: sum(getattr(c, f) for c in points) / len(points) for f in fields})
 
 
 def theorem2_constants(c: RuleConstants, T, N, beta, p, xi1, d, epsilons):
@@ -365,4 +404,5 @@ __all__ = [
     "sensitivities",
     "theorem2_constants",
     "theorem3_constants",
+    "trajectory_constants",
 ]

@@ -53,13 +53,23 @@ class MechanismRun:
 class Client:
     """One client's data, RNGs (sampling and noise, seeded), ledger and per-phase optimizers."""
 
-    def __init__(self, index: int, data: TensorDataset, mech: MechanismRun, seed: int):
+    def __init__(
+        self,
+        index: int,
+        data: TensorDataset,
+        mech: MechanismRun,
+        seed: int,
+        device: torch.device | None = None,
+    ):
         self.index = index
         self.data = data
         self.mech = mech
         self.size = len(data)
         self.sample_gen = torch.Generator().manual_seed(1_000_003 * (seed + 1) + 2 * index)
-        self.noise_gen = torch.Generator().manual_seed(1_000_003 * (seed + 1) + 2 * index + 1)
+        # The mechanism's noise is drawn on the model's device (Opacus needs the generator there).
+        self.noise_gen = torch.Generator(device=device or "cpu").manual_seed(
+            1_000_003 * (seed + 1) + 2 * index + 1
+        )
         self.ledger = make_ledger(mech.name, mech.delta, mech.accountant)
         self._optimizers: dict[str, DPOptimizer] = {}
         self.audit: list[dict] | None = None
@@ -69,6 +79,7 @@ class Client:
         if self.mech.sample_rate >= 1.0:
             return x, y
         mask = torch.rand(self.size, generator=self.sample_gen) < self.mech.sample_rate
+        mask = mask.to(x.device)
         return x[mask], y[mask]
 
     def optimizer(self, phase: str, params: list[nn.Parameter]) -> DPOptimizer:

@@ -16,9 +16,11 @@ import torch
 from opacus.grad_sample.utils import wrap_model
 from torch.utils.data import TensorDataset
 
+from dpadapter import device as devices
 from dpadapter.config import Config
 from dpadapter.data import build_splits
 from dpadapter.federated.estimate import (
+    RuleConstants,
     aggregate_constants,
     aggregated_noise_var,
     client_constants,
@@ -26,6 +28,7 @@ from dpadapter.federated.estimate import (
     decide,
     privatize,
     random_directions,
+    trajectory_constants,
 )
 from dpadapter.federated.mechanisms import (
     ADJACENCY,
@@ -43,6 +46,7 @@ from dpadapter.stages.job import seed_everything, training_job
 from dpadapter.strategies import FT, apply_phase, get_strategy, released_dims
 from dpadapter.train.checkpoint import load_model
 from dpadapter.train.loops import evaluate
+from dpadapter.train.progress import ProgressLine
 
 STRATEGY_NAMES = ("scratch", "ht", "ft", "ut")
 DP_LEVEL_NOTE = (
@@ -77,23 +81,37 @@ def plan_noise(cfg: Config, mechanism: str, eps: float, releases: int, with_rule
     """
     fed, priv = cfg.federated, cfg.privacy
     cache = str(Path(cfg.results_dir) / ".cache" / "sigma.json")
+    m = fed.estimate_points  # estimation releases per client, one per point of the trajectory
     if mechanism == GAUSSIAN:
         q = fed.gaussian.sample_rate
         if not with_rule:
             return calibrate_sigma(eps, priv.delta, q, releases, priv.accountant, cache), None, 0.0
         eps_e = fed.gaussian.estimate_fraction * eps
-        sigma_e = estimate_sigma(eps_e, priv.delta)
-        prior = [Segment(sigma_e, 1.0, 1)]
+        # m full-data Gaussian releases at sigma_e compose exactly to one at sigma_e / sqrt(m)
+        sigma_e = estimate_sigma(eps_e, priv.delta) * math.sqrt(m)
+        prior = [Segment(sigma_e, 1.0, m)]
         sigma = gaussian_sigma(eps, priv.delta, q, releases, priv.accountant, prior, cache)
         return sigma, sigma_e, eps_e
     eps_e = fed.laplace.estimate_fraction * eps if with_rule else 0.0
-    return laplace_noise_multiplier(eps - eps_e, releases), (eps_e or None), eps_e
+    # pure DP adds up: each of the m estimation releases gets eps_e / m
+    return laplace_noise_multiplier(eps - eps_e, releases), (eps_e / m or None), eps_e
 
 
-def estimate_t1(
-    gsm, clients: list[Client], mech: MechanismRun, est_noise: float, cfg, rounds, seed
-):
-    """Steps 2-3 of Algorithm 1 on the clients; each client's release goes into its ledger."""
+def estimate_points(rounds: int, m: int) -> list[int]:
+    """Rounds (0-based, before the round runs) at which the constants are estimated: 0 and
+    m - 1 more, evenly spaced over the first half of training (UT is in HT until the last)."""
+    if m < 1:
+        raise ValueError(f"estimate_points must be >= 1, got {m}")
+    step = max(1, rounds // (2 * m))
+    pts = sorted({min(k * step, max(rounds - 1, 0)) for k in range(m)})
+    if len(pts) != m:
+        raise ValueError(f"{rounds} rounds are too few for {m} estimation points")
+    return pts
+
+
+def estimate_constants(gsm, clients: list[Client], mech: MechanismRun, est_noise: float, cfg, seed):
+    """Steps 2-3 of Algorithm 1 at the current global model (a released model, so evaluating
+    the statistics there is post-processing); each client's release goes into its ledger."""
     fed = cfg.federated
     params = apply_phase(gsm, FT)
     dirs = random_directions(params, fed.estimate_directions, fed.estimate_radius, 50_000 + seed)
@@ -102,6 +120,7 @@ def estimate_t1(
     ]
     norm = "l2" if mech.name == GAUSSIAN else "l1"
     mc = fed.mechanism(mech.name)
+    # the statistics' clipping bound, in the training clipping's unit (l2 Gaussian, l1 Laplace)
     stat_clip = min(mech.max_grad_norm, mc.estimate_clip or mech.max_grad_norm)
     per_client = []
     for c in clients:
@@ -111,13 +130,28 @@ def estimate_t1(
         noisy, seg = privatize(raw, mech.name, stat_clip, c.size, est_noise, c.noise_gen)
         c.ledger.record(seg.noise_multiplier, seg.sample_rate, seg.steps)
         per_client.append(client_constants(noisy, c.size, mech.sample_rate, dir_norms))
+    return aggregate_constants(per_client, [c.size for c in clients])
+
+
+def rule_decision(gsm, clients, mech: MechanismRun, points: list[RuleConstants], rounds: int):
+    """Theorems 2-3 on the constants averaged along the trajectory; the step-size assumption
+    checked with the largest L estimated."""
     sizes = [c.size for c in clients]
-    consts = aggregate_constants(per_client, sizes)
+    consts = trajectory_constants(points)
     dims = released_dims(gsm)
     v = aggregated_noise_var(
         mech.name, sizes, mech.max_grad_norm, mech.noise_multiplier, mech.sample_rate
     )
-    decision = decide(consts, rounds, len(clients), mech.lr, dims["ft"] - dims["ht"], dims["ht"], v)
+    decision = decide(
+        consts,
+        rounds,
+        len(clients),
+        mech.lr,
+        dims["ft"] - dims["ht"],
+        dims["ht"],
+        v,
+        L_check=max(c.L for c in points),
+    )
     return decision, consts
 
 
@@ -145,11 +179,14 @@ def run(
     seed_everything(seed)
     _, roles = build_splits(cfg, [task])
     data = roles[task]
+    dev = devices.resolve(cfg.device)
     model, _ = load_model(ckpt)
     replace_head(model, data.num_classes, seed)
+    model.to(dev)
+    data = data.to(dev)
     x, y = data.train.tensors
     parts = dirichlet_partition(
-        y, fed.clients, fed.dirichlet_alpha, fed.split_seed, fed.min_client_size
+        y.cpu(), fed.clients, fed.dirichlet_alpha, fed.split_seed, fed.min_client_size
     )
 
     mc = fed.mechanism(mechanism)
@@ -165,7 +202,10 @@ def run(
         delta=cfg.privacy.delta if mechanism == GAUSSIAN else 0.0,
         accountant=cfg.privacy.accountant,
     )
-    clients = [Client(i, TensorDataset(x[idx], y[idx]), mech, seed) for i, idx in enumerate(parts)]
+    clients = [
+        Client(i, TensorDataset(x[idx.to(x.device)], y[idx.to(y.device)]), mech, seed, dev)
+        for i, idx in enumerate(parts)
+    ]
     gsm = wrap_model(
         model,
         grad_sample_mode=cfg.finetune.grad_sample_mode,
@@ -185,14 +225,20 @@ def run(
     with training_job(cfg, "federated", wildcards, out_dir) as (run_, metrics):
         decision = consts = None
         t1 = None
+        # The T1 rule: constants estimated at `estimate_points` models along the trajectory
+        # (UT trains HT meanwhile), the decision taken at the last of them: T1 = T (HT
+        # throughout) or T1 = that round (FT from there on; 0 with a single point).
+        points = estimate_points(rounds, fed.estimate_points) if with_rule else []
+        trajectory: list[dict] = []
         if with_rule:
-            decision, consts = estimate_t1(gsm, clients, mech, est_noise, cfg, rounds, seed)
-            t1 = decision.t1
+            t1 = rounds
         name = "ft" if strategy == "scratch" else strategy
         t1_fraction = fed.ut_t1 if not isinstance(fed.ut_t1, str) else None
         schedule = get_strategy(name).schedule(rounds, t1_fraction, t1=t1)
         federation = Federation(gsm, clients, schedule, fed.local_steps)
         curve: list[dict] = []
+        # A line per evaluated round in the job's log (and every few minutes in between).
+        report = ProgressLine(f"federated {upstream}/{strategy}/{mechanism}/eps{eps:g}", rounds)
 
         def on_round(rec: dict) -> None:
             r = rec["round"]
@@ -200,8 +246,30 @@ def run(
                 acc = evaluate(model, data.val) if len(data.val) else float("nan")
                 curve.append({**rec, "val_accuracy": acc})
                 run_.log_metrics({"val_accuracy": acc, "train_loss": rec["train_loss"]}, step=r)
+                line = {**rec, "steps": r, "val_accuracy": acc}
+                report.epoch(r, rounds, {**line, "noise_multiplier": noise_multiplier}, "round")
+            else:
+                report.step(r, rec["train_loss"])
 
-        federation.run(on_round)
+        estimates: list[RuleConstants] = []
+        for t in range(rounds):
+            if t in points:
+                k = len(estimates)
+                c_k = estimate_constants(gsm, clients, mech, est_noise, cfg, seed + 1000 * k)
+                estimates.append(c_k)
+                trajectory.append({"round": t, "constants": c_k.__dict__})
+                if t == points[-1]:
+                    decision, consts = rule_decision(gsm, clients, mech, estimates, rounds)
+                    if not decision.step_size_condition:
+                        print(
+                            f"warning: T1 rule outside Theorems 2-3: lr {mech.lr:g} >= "
+                            f"1/(2L) = {decision.lr_bound:.4g} (L = {decision.L_check:.4g})"
+                        )
+                    schedule = get_strategy("ut").schedule(
+                        rounds, t1=rounds if decision.predicted_best == "ht" else t
+                    )
+                    federation.schedule = schedule
+            on_round(federation.round(t))
         dims = released_dims(model)
         for p in model.parameters():
             p.requires_grad_(True)
@@ -278,9 +346,14 @@ def run(
                     "noise_multiplier": noise_multiplier,
                     "sample_rate": mech.sample_rate,
                     "sampling": "poisson" if mechanism == GAUSSIAN else "full batch",
-                    "releases_per_client": releases + (1 if with_rule else 0),
+                    "releases_per_client": releases + (len(points) if with_rule else 0),
                     "estimation": (
-                        {"epsilon_alone": eps_e, "noise": est_noise, "charged": True}
+                        {
+                            "epsilon_alone": eps_e,
+                            "noise": est_noise,
+                            "points": points,
+                            "charged": True,
+                        }
                         if with_rule
                         else None
                     ),
@@ -299,7 +372,17 @@ def run(
                 },
                 "curve": curve,
                 "rule": (
-                    {**decision.as_dict(), "constants": consts.__dict__}
+                    {
+                        **decision.as_dict(),
+                        "t1_run": schedule.t1,
+                        "constants": consts.__dict__,
+                        "trajectory": trajectory,
+                        "step_size_assumption": (
+                            "holds" if decision.step_size_condition else "does NOT hold"
+                        )
+                        + f": lr {mech.lr:g} vs 1/(2L) = {decision.lr_bound:.4g} with the "
+                        "largest L estimated along the trajectory (Theorems 2-3 need lr < 1/(2L))",
+                    }
                     if decision is not None
                     else None
                 ),

@@ -84,7 +84,51 @@ def _majority(votes: list[str]) -> str:
     return counts[0][0]
 
 
-def rule_report(rows: list[dict], preds: dict[tuple, list[str]]) -> dict:
+def rule_assumptions(paths: list[Path]) -> dict[tuple, list[bool]]:
+    """Per cell (upstream, mechanism, epsilon, rounds): whether each rule job's step-size
+    assumption of Theorems 2-3 (lr < 1/(2L), L estimated) held."""
+    out: dict[tuple, list[bool]] = defaultdict(list)
+    for p in paths:
+        m = json.loads(Path(p).read_text())
+        rule = m.get("rule")
+        if rule:
+            w = m["wildcards"]
+            key = (w["upstream"], w["mechanism"], float(w["eps"]), int(w["rounds"]))
+            out[key].append(bool(rule["step_size_condition"]))
+    return dict(out)
+
+
+def baselines(cells: list[dict], level: float = 0.95) -> dict:
+    """The rule's cell hit rate with a Wilson interval, against always-HT, always-FT and a coin.
+
+    always-HT hits the cells HT won; always-FT those FT won; a fair coin hits each cell with
+    probability 1/2 whatever the winner. 'better' means the rule's Wilson interval lies above
+    the baseline's rate (a one-sided reading of a two-sided 95 % interval).
+    """
+    from dpadapter.stats import binomial_interval
+
+    n = len(cells)
+    if not n:
+        return {}
+    hits = sum(c["hit"] for c in cells)
+    ci = binomial_interval(hits, n, level, "wilson")
+    ht = sum(c["winner"] == "ht" for c in cells) / n
+    out = {
+        "hit_rate_interval": ci.as_dict(),
+        "always_ht": ht,
+        "always_ft": 1 - ht,
+        "coin": 0.5,
+    }
+    for k in ("always_ht", "always_ft", "coin"):
+        out[f"better_than_{k}"] = bool(ci.low > out[k])
+    return out
+
+
+def rule_report(
+    rows: list[dict],
+    preds: dict[tuple, list[str]],
+    assumptions: dict[tuple, list[bool]] | None = None,
+) -> dict:
     """How often the rule's prediction matched the empirical HT-vs-FT winner."""
     by_cell: dict[tuple, dict[str, dict]] = defaultdict(dict)
     for r in rows:
@@ -123,6 +167,14 @@ def rule_report(rows: list[dict], preds: dict[tuple, list[str]]) -> dict:
                 "accuracy_ft": ft["mean_accuracy"],
                 "within_noise": gap <= max(ht["std_accuracy"], ft["std_accuracy"]),
                 "best_overall": max(everyone, key=lambda s: everyone[s]["mean_accuracy"]),
+                "n_seeds_rule": len(votes),
+                "n_seeds_ht": ht["n_seeds"],
+                "n_seeds_ft": ft["n_seeds"],
+                **(
+                    {"step_size_holds": (assumptions or {}).get(key, [])}
+                    if assumptions is not None
+                    else {}
+                ),
             }
         )
     n = len(cells)
@@ -139,7 +191,28 @@ def rule_report(rows: list[dict], preds: dict[tuple, list[str]]) -> dict:
         "per_job_hit_rate": (sum(v == w for v, w in jobs) / len(jobs)) if jobs else None,
         "n_cells_beyond_noise": len(clear),
         "hit_rate_beyond_noise": (sum(c["hit"] for c in clear) / len(clear)) if clear else None,
+        **baselines(cells),
+        **(_assumption_summary(cells) if assumptions is not None else {}),
     }
+
+
+def _assumption_summary(cells: list[dict]) -> dict:
+    """Cells whose rule jobs all met the step-size assumption, and the hit rate on them."""
+    from dpadapter.stats import binomial_interval
+
+    ok = [c for c in cells if c["step_size_holds"] and all(c["step_size_holds"])]
+    jobs = [v for c in cells for v in c["step_size_holds"]]
+    out = {
+        "step_size_jobs_holding": sum(jobs),
+        "step_size_jobs": len(jobs),
+        "n_cells_step_size_holds": len(ok),
+        "step_size_note": "Theorems 2-3 assume lr < 1/(2L); in a cell where any rule job's "
+        "estimated L violates it, the rule is used outside its theorem",
+    }
+    if ok:
+        hits = sum(c["hit"] for c in ok)
+        out["hit_rate_step_size_holds"] = binomial_interval(hits, len(ok)).as_dict()
+    return out
 
 
 def run(
@@ -150,15 +223,20 @@ def run(
 
     rows, preds = collect(metrics)
     write_csv(rows, csv_path, COLUMNS)
-    report = rule_report(rows, preds)
+    report = rule_report(rows, preds, rule_assumptions(metrics))
     write_json(rule_path, report)
     fed = cfg.federated
     title = f"{cfg.model.name}, {fed.clients} clients, Dirichlet alpha={fed.dirichlet_alpha:g}"
     plots_federated.accuracy_vs_epsilon(rows, fig_eps, rounds=fed.rounds, title=title)
     plots_federated.accuracy_vs_rounds(rows, fig_rounds, epsilons=fed.sweep_epsilons, title=title)
     if report["n_cells"]:
+        ci = report["hit_rate_interval"]
         print(
             f"T1 rule: {report['hits']}/{report['n_cells']} cells predicted the HT/FT winner "
-            f"({report['split_cells']} split)"
+            f"({report['split_cells']} split); hit rate {ci['estimate']:.2f} "
+            f"[{ci['low']:.2f}, {ci['high']:.2f}] (95% Wilson) vs always-HT "
+            f"{report['always_ht']:.2f}, always-FT {report['always_ft']:.2f}, coin 0.50; "
+            f"step size lr < 1/(2L) held in {report['step_size_jobs_holding']}/"
+            f"{report['step_size_jobs']} rule jobs"
         )
     return report

@@ -43,8 +43,22 @@ def _pld_module():
 
 @functools.lru_cache(maxsize=512)
 def _segment_pld(sigma: float, sample_rate: float, steps: int, discretization: float):
-    """PLD of `steps` Poisson-subsampled Gaussian releases (cached: building one takes ~1 s)."""
+    """PLD of `steps` Poisson-subsampled Gaussian releases (cached: building one takes ~1 s).
+
+    Full batch (q = 1, DP-GD) is no subsampling: each step is the Gaussian mechanism with
+    l2-sensitivity 1 (in units of the clipping norm) and noise multiplier sigma under add/remove
+    neighbours, and T such steps compose *exactly* to one Gaussian mechanism with noise
+    multiplier sigma / sqrt(T) (mu = sqrt(T) / sigma in GDP; Dong, Roth & Su 2022, Cor. 3.3).
+    That PLD is built directly: the same bound without T rounds of discretisation error, and the
+    same PLD for every (sigma, T) with equal mu, which is what lets the linear-probe HPO pick T
+    after a selection without changing the final run's privacy loss.
+    """
     pld_mod, _ = _pld_module()
+    if sample_rate == 1.0:
+        return pld_mod.from_gaussian_mechanism(
+            standard_deviation=sigma / math.sqrt(steps),
+            value_discretization_interval=discretization,
+        )
     return pld_mod.from_gaussian_mechanism(
         standard_deviation=sigma,
         sampling_prob=sample_rate,

@@ -54,6 +54,23 @@ def add_parsers(parser: argparse.ArgumentParser) -> None:
     o.add_argument("--plan", required=True, type=Path)
     o.add_argument("--runs", required=True, nargs="+", type=Path)
     o.add_argument("--out", required=True, type=Path)
+    fe = steps.add_parser("features", help="linear-probe: frozen features of a task, once")
+    fe.add_argument("--task", required=True)
+    fe.add_argument("--ckpt", required=True, type=Path)
+    fe.add_argument("--out", required=True, type=Path)
+    po = steps.add_parser("probe-oracle", help="linear-probe: grid x budgets x seeds, premise")
+    po.add_argument("--features", required=True, type=Path)
+    po.add_argument("--out", required=True, type=Path)
+    ps = steps.add_parser("probe-seed", help="linear-probe: one HPO replicate at every target")
+    ps.add_argument("--features", required=True, type=Path)
+    ps.add_argument("--seed", required=True, type=int)
+    ps.add_argument("--out", required=True, type=Path)
+    pm = steps.add_parser("probe-summary", help="linear-probe: hpo.csv, hpo.md, hpo.json")
+    pm.add_argument("--oracle", required=True, nargs="+", type=Path)
+    pm.add_argument("--seeds", required=True, nargs="+", type=Path)
+    pm.add_argument("--csv", required=True, type=Path)
+    pm.add_argument("--md", required=True, type=Path)
+    pm.add_argument("--json", required=True, type=Path)
     su = steps.add_parser("summary", help="hpo.csv and hpo.md")
     su.add_argument("--final", required=True, nargs="+", type=Path)
     su.add_argument("--random", required=True, nargs="+", type=Path)
@@ -93,6 +110,29 @@ def run(cfg: Config, args: argparse.Namespace) -> None:
     elif a.hpo_step == "grid-oracle":
         o = stages.grid_oracle(cfg, a.plan, a.runs, a.out)
         print(f"oracle r={o['r']:.4g} test accuracy {o['test_accuracy']:.4f}")
+    elif a.hpo_step in ("features", "probe-oracle", "probe-seed", "probe-summary"):
+        _probe(cfg, a)
     elif a.hpo_step == "summary":
         summary.run(a.final, a.random, a.oracle, a.csv, a.md)
+        print(a.md.read_text())
+
+
+def _probe(cfg: Config, a: argparse.Namespace) -> None:
+    """The linear-probe regime's steps (`dpadapter.hpo.probe`)."""
+    import json
+
+    from dpadapter.hpo import features, probe, probe_summary
+    from dpadapter.stages.job import write_json
+
+    if a.hpo_step == "features":
+        p = features.compute(cfg, a.task, a.ckpt, a.out)
+        print(f"features {tuple(p['train']['x'].shape)} (train), {len(p['test']['y'])} test")
+    elif a.hpo_step == "probe-oracle":
+        o = probe.oracle(cfg, a.features)
+        write_json(a.out, o)
+        print(json.dumps(o["premise"]))
+    elif a.hpo_step == "probe-seed":
+        write_json(a.out, probe.seed_run(cfg, a.features, a.seed))
+    else:
+        probe_summary.run(a.oracle, a.seeds, a.csv, a.md, a.json)
         print(a.md.read_text())

@@ -101,6 +101,17 @@ def planned_history(algo: str, spec: DPRunSpec, steps: int | None = None) -> lis
     return merge_segments(segs)
 
 
+def strategy_of(cfg: Config):
+    """What the HPO's runs train (ft, ht = head only, ut): hpo.strategy, else finetune.strategy.
+
+    The schedule spans the calibrated steps, so a UT final run that stops early (a prefix) keeps
+    the T1 it was planned with.
+    """
+    from dpadapter.strategies import get_strategy
+
+    return get_strategy(cfg.hpo.strategy or cfg.finetune.strategy)
+
+
 @dataclass(frozen=True)
 class TrainedRun:
     model: nn.Module
@@ -139,7 +150,10 @@ def train_config(
     replace_head(model, num_classes, seed)
     spec = step_spec(cfg, algo, target_epsilon, len(train), calibrated_steps)
     run_cfg = dataclasses.replace(cfg, finetune=dataclasses.replace(cfg.finetune, lr=config.lr))
-    inst, ledger = dp_train(model, train, algo, spec, run_cfg, seed, max_steps=config.steps)
+    schedule = strategy_of(cfg).schedule(calibrated_steps, cfg.finetune.ut_t1_fraction)
+    inst, ledger = dp_train(
+        model, train, algo, spec, run_cfg, seed, max_steps=config.steps, schedule=schedule
+    )
     if ledger.steps != config.steps:
         raise RuntimeError(f"run made {ledger.steps} releases, expected {config.steps}")
     return TrainedRun(model, meta, inst, ledger, spec)

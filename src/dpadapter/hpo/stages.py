@@ -37,11 +37,13 @@ from dpadapter.hpo.runner import (
     planned_history,
     private_data,
     step_spec,
+    strategy_of,
     task_sizes,
     train_config,
 )
 from dpadapter.hpo.selection import NOT_ACCOUNTED, SelectionMechanism
 from dpadapter.hpo.space import SearchSpace, StepConfig, fit_scaling
+from dpadapter.identity import run_prefix
 from dpadapter.privacy import Segment
 
 PLAN_VERSION = 1
@@ -119,7 +121,7 @@ def _log_to_parent(cfg: Config, parent_run_id: str, metrics: dict[str, float]) -
 
     from dpadapter import tracking
 
-    tracking.ensure_experiment(cfg.tracking)
+    tracking.ensure_experiment(cfg.tracking, cfg.results_dir)
     client = mlflow.MlflowClient()
     for k, v in metrics.items():
         if isinstance(v, int | float) and math.isfinite(v):
@@ -222,7 +224,12 @@ def plan(cfg: Config, upstream: str, task: str, algo: str, seed: int, out: Path)
         "wildcard.algo": algo,
         "wildcard.seed": str(seed),
     }
-    with tracking.start_run(cfg.tracking, run_name=name, tags=tags) as run:
+    with tracking.start_run(
+        cfg.tracking,
+        run_name=f"{run_prefix(cfg)} {name}",
+        tags=tags,
+        results_dir=cfg.results_dir,
+    ) as run:
         run.log_params(
             {
                 "target_epsilon": h.target_epsilon,
@@ -278,6 +285,7 @@ def trial(cfg: Config, plan_path: Path, sweep: int, index: int, ckpt: Path, out_
             **_step_dict(_step(t)),
             "seed": t["seed"],
             "momentum": cfg.finetune.momentum,
+            "strategy": strategy_of(cfg).name,
             "expected_batch_size": res.spec.expected_batch_size,
             "max_grad_norm": res.spec.max_grad_norm,
             "n_train": len(data.train),
@@ -307,6 +315,7 @@ def trial(cfg: Config, plan_path: Path, sweep: int, index: int, ckpt: Path, out_
                     "epsilon": spent,
                     "delta": res.spec.delta,
                     "steps": res.ledger.steps,
+                    "sample_rate": res.spec.sample_rate,
                     "sampling": "poisson",
                     "history": res.ledger.state_dict()["history"],
                     "validation_use": "val_correct is the score of the sweep's private selection "
@@ -450,6 +459,7 @@ def _final_budget_run(
             "seed": seed,
             "calibrated_steps": res.spec.total_steps,
             "momentum": cfg.finetune.momentum,
+            "strategy": strategy_of(cfg).name,
             "expected_batch_size": res.spec.expected_batch_size,
             "max_grad_norm": res.spec.max_grad_norm,
             "n_train": len(d.train),
@@ -471,6 +481,7 @@ def _final_budget_run(
                     "epsilon": spent,
                     "delta": res.spec.delta,
                     "steps": res.ledger.steps,
+                    "sample_rate": res.spec.sample_rate,
                     "sampling": "poisson",
                     "history": res.ledger.state_dict()["history"],
                 },
@@ -482,7 +493,7 @@ def _final_budget_run(
         if annotate is not None:
             annotate(metrics, tuple(res.ledger.history))
         if save:
-            save_model(
+            metrics["checkpoint"] = save_model(
                 out_dir / "model.pt",
                 res.model,
                 cfg.model,

@@ -6,9 +6,16 @@ import torch
 from torch import nn
 
 from dpadapter.config import ModelConfig
+from dpadapter.models.dpnas import DPNASMNIST
 from dpadapter.models.nets import ResNet20GN, SmallCNN
+from dpadapter.models.resnet10 import GNResNet10
 
-MODEL_NAMES = {"resnet20-gn": ResNet20GN, "cnn-gn": SmallCNN}
+MODEL_NAMES = {
+    "resnet20-gn": ResNet20GN,
+    "cnn-gn": SmallCNN,
+    "gnresnet10": GNResNet10,
+    "dpnas-mnist": DPNASMNIST,
+}
 
 
 def create_model(cfg: ModelConfig, num_classes: int, in_chans: int, seed: int) -> nn.Module:

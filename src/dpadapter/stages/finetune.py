@@ -15,12 +15,11 @@ import os
 from pathlib import Path
 
 import torch
-from opacus.data_loader import DPDataLoader
 from opacus.grad_sample.utils import wrap_model
-from opacus.utils.batch_memory_manager import BatchMemoryManager
 from opacus.validators import ModuleValidator
 from torch import nn
 
+from dpadapter import device as devices
 from dpadapter.algorithms import ALGORITHMS, DPRunSpec
 from dpadapter.config import Config
 from dpadapter.data import build_splits
@@ -28,8 +27,10 @@ from dpadapter.models import replace_head
 from dpadapter.privacy import PrivacyLedger
 from dpadapter.stages.job import seed_everything, training_job
 from dpadapter.strategies import Schedule, apply_phase, get_strategy, released_dims
+from dpadapter.train.batching import PAD_LABEL, PoissonBatches, masked_cross_entropy, padded_size
 from dpadapter.train.checkpoint import load_model, save_model
 from dpadapter.train.loops import evaluate, progress, robust_accuracy
+from dpadapter.train.progress import ProgressLine
 
 
 def run_spec(cfg: Config, algo: str, eps: float, n_train: int) -> DPRunSpec:
@@ -53,6 +54,21 @@ def run_spec(cfg: Config, algo: str, eps: float, n_train: int) -> DPRunSpec:
     )
 
 
+def padding(cfg: Config, dev: torch.device, spec: DPRunSpec) -> int | None:
+    """Fixed physical batch size to pad to, or None (no padding).
+
+    `finetune.pad_batches: auto` pads on CUDA only (cuDNN autotunes per shape; see
+    dpadapter.train.batching) to `physical_batch_size`, or to a size a Poisson batch rarely
+    exceeds. On the CPU nothing is padded unless asked: results stay exactly as before.
+    """
+    mode = cfg.finetune.pad_batches
+    if mode is False or (mode == "auto" and dev.type != "cuda"):
+        return None
+    return cfg.finetune.physical_batch_size or padded_size(
+        spec.expected_batch_size, spec.sample_rate
+    )
+
+
 def dp_train(
     model: nn.Module,
     train: torch.utils.data.TensorDataset,
@@ -65,8 +81,15 @@ def dp_train(
     save_state=None,
     max_steps: int | None = None,
     schedule: Schedule | None = None,
+    public: torch.utils.data.Dataset | None = None,
+    val: torch.utils.data.TensorDataset | None = None,
+    label: str | None = None,
 ):
     """Train `model` in place with the algorithm; return (algorithm, ledger).
+
+    `public` (optional) is the public data handed to algorithms that need it (GEP's anchors);
+    None builds the pipeline's public training split. The audit passes the public images in its
+    own input layout.
 
     `schedule` (dpadapter.strategies) picks what each step trains, clips and noises: the head
     only (HT) or every parameter (FT), switching after step T1 for UT. None trains every
@@ -86,13 +109,19 @@ def dp_train(
     errors = ModuleValidator.validate(model, strict=False)
     if errors:
         raise ValueError(f"model is not DP-compatible: {errors}")
+    dev = devices.resolve(cfg.device)
+    devices.configure(dev, cfg.tf32)
+    model.to(dev)
+    train = devices.place(train, dev)
     ledger = PrivacyLedger(spec.delta, spec.accountant)
-    noise_gen = torch.Generator().manual_seed(10_000 + seed)
+    # The mechanism's noise is drawn on the parameters' device (Opacus needs the generator there).
+    noise_gen = devices.generator(dev, 10_000 + seed)
     algo = ALGORITHMS[algo_name](spec, ledger, noise_gen)
     if algo.needs_public_data:
         # GEP's anchor subspace comes from public gradients only (no privacy cost).
-        _, public = build_splits(cfg, ["public"])
-        algo.set_public_data(public["public"].train)
+        if public is None:
+            public = build_splits(cfg, ["public"])[1]["public"].train
+        algo.set_public_data(public)
     gsm = wrap_model(
         model,
         grad_sample_mode=cfg.finetune.grad_sample_mode,
@@ -102,7 +131,16 @@ def dp_train(
     base_opt = torch.optim.SGD(gsm.parameters(), lr=cfg.finetune.lr, momentum=cfg.finetune.momentum)
     optimizer = algo.make_optimizer(base_opt)
     sample_gen = torch.Generator().manual_seed(20_000 + seed)
-    loader = DPDataLoader(train, sample_rate=spec.sample_rate, generator=sample_gen)
+    pad = padding(cfg, dev, spec)
+    loader = PoissonBatches(
+        train,
+        spec.sample_rate,
+        sample_gen,
+        dev,
+        max_physical=pad or cfg.finetune.physical_batch_size,
+        pad=pad is not None,
+        optimizer=optimizer,
+    )
     assert len(loader) == spec.steps_per_epoch, (len(loader), spec.steps_per_epoch)
     first_epoch = 0
     if resume is not None:
@@ -112,42 +150,42 @@ def dp_train(
         ledger.history = PrivacyLedger.from_state_dict(resume["ledger"]).history
         noise_gen.set_state(resume["noise_rng"])
         sample_gen.set_state(resume["sample_rng"])
-        torch.set_rng_state(resume["torch_rng"])
+        devices.set_rng_state(resume["torch_rng"])
         first_epoch = resume["epoch"]
         if schedule is not None:
             apply_phase(model, schedule.phase(ledger.steps))
-    loss_fn = nn.functional.cross_entropy
+    loss_fn = masked_cross_entropy if pad is not None else nn.functional.cross_entropy
     gsm.train()
+    # One line per epoch (and every few minutes within long ones) in the job's log; `val`
+    # (optional) adds the validation accuracy, which is reported only and steers nothing.
+    total_steps = spec.total_steps if max_steps is None else min(spec.total_steps, max_steps)
+    report = ProgressLine(label or algo_name, total_steps, start_step=ledger.steps)
     for epoch in range(first_epoch, spec.epochs):
         if max_steps is not None and ledger.steps >= max_steps:
             break
         algo.start_epoch(epoch)
         total, n = 0.0, 0
-        if cfg.finetune.physical_batch_size:
-            ctx = BatchMemoryManager(
-                data_loader=loader,
-                max_physical_batch_size=cfg.finetune.physical_batch_size,
-                optimizer=optimizer,
-            )
-        else:
-            ctx = _nullctx(loader)
-        with ctx as batches:
-            for x, y in progress(batches, desc=f"{algo_name} epoch {epoch + 1}/{spec.epochs}"):
-                loss = algo.train_step(gsm, x, y, loss_fn)
-                if schedule is not None:
-                    apply_phase(model, schedule.phase(ledger.steps))
-                if len(y):
-                    total += loss * len(y)
-                    n += len(y)
-                if max_steps is not None and ledger.steps >= max_steps:
-                    break
+        for x, y in progress(loader, desc=f"{algo_name} epoch {epoch + 1}/{spec.epochs}"):
+            loss = algo.train_step(gsm, x, y, loss_fn)
+            if schedule is not None:
+                apply_phase(model, schedule.phase(ledger.steps))
+            if len(y):
+                total += loss * len(y)  # padded rows add zero loss but count in len(y)
+                n += int((y != PAD_LABEL).sum()) if pad is not None else len(y)
+            if max_steps is not None and ledger.steps >= max_steps:
+                break
+            report.step(ledger.steps, loss)
         stats = {
             "train_loss": total / max(1, n),
             "steps": ledger.steps,
             "epsilon_spent": ledger.epsilon(),
+            "noise_multiplier": algo.noise_multiplier(epoch),
         }
+        if val is not None and len(val):
+            stats["val_accuracy"] = evaluate(model, val)
         if on_epoch is not None:
             on_epoch(epoch + 1, stats)
+        report.epoch(epoch + 1, spec.epochs, stats)
         if max_steps is not None and ledger.steps >= max_steps:
             break
         if save_state is not None and epoch + 1 < spec.epochs:
@@ -160,7 +198,7 @@ def dp_train(
                     "ledger": ledger.state_dict(),
                     "noise_rng": noise_gen.get_state(),
                     "sample_rng": sample_gen.get_state(),
-                    "torch_rng": torch.get_rng_state(),
+                    "torch_rng": devices.rng_state(dev),
                 }
             )
     if hasattr(gsm, "_close"):
@@ -189,17 +227,6 @@ def _save_atomic(obj, path: Path) -> None:
     tmp = path.with_suffix(".tmp")
     torch.save(obj, tmp)
     os.replace(tmp, path)
-
-
-class _nullctx:
-    def __init__(self, it):
-        self.it = it
-
-    def __enter__(self):
-        return self.it
-
-    def __exit__(self, *exc):
-        return False
 
 
 def run(
@@ -251,10 +278,7 @@ def run(
             metrics["resumed_from_epoch"] = resume["epoch"]
 
         def log_epoch(epoch: int, stats: dict) -> None:
-            stats = {
-                **stats,
-                "val_accuracy": evaluate(model, data.val) if len(data.val) else float("nan"),
-            }
+            stats = {"val_accuracy": float("nan"), **stats}  # dp_train adds it if there is one
             run_.log_metrics(stats, step=epoch)
             metrics["epochs"].append({"epoch": epoch, **stats})
 
@@ -280,6 +304,8 @@ def run(
             resume=resume,
             save_state=save_state,
             schedule=schedule,
+            val=data.val,
+            label=f"finetune {upstream}/{task}/{algo_name}/eps{eps:g}/seed{seed}",
         )
         epsilon = ledger.epsilon()
         if epsilon > eps * 1.001:
@@ -316,6 +342,7 @@ def run(
                     "epsilon": epsilon,
                     "delta": spec.delta,
                     "steps": ledger.steps,
+                    "sample_rate": spec.sample_rate,
                     "sampling": "poisson",
                     "history": ledger.state_dict()["history"],
                     "validation_use": "reported only; selects nothing, so it is not charged",
@@ -336,7 +363,7 @@ def run(
                 "steps": ledger.steps,
             }
         )
-        save_model(
+        metrics["checkpoint"] = save_model(
             out_dir / "model.pt",
             model,
             cfg.model,

@@ -13,8 +13,10 @@ from typing import Any
 
 import torch
 
+from dpadapter import device as devices
 from dpadapter import tracking
 from dpadapter.config import Config
+from dpadapter.identity import config_hash, run_prefix
 
 
 def write_json(path: str | Path, payload: dict[str, Any]) -> None:
@@ -29,6 +31,9 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+_KNOWN_AT_START = ("target_epsilon", "algorithm", "upstream", "task")
+
+
 @contextlib.contextmanager
 def training_job(
     cfg: Config,
@@ -40,15 +45,37 @@ def training_job(
     """Yield (mlflow run, metrics dict); on success write metrics.json and attach it to the run."""
     torch.set_num_threads(int(os.environ.get("DPADAPTER_THREADS", torch.get_num_threads())))
     out_dir.mkdir(parents=True, exist_ok=True)
-    name = "/".join([stage, *wildcards.values()])
-    tags = {"rule": stage, **{f"wildcard.{k}": str(v) for k, v in wildcards.items()}}
-    metrics: dict[str, Any] = {"stage": stage, "wildcards": wildcards}
+    # The config's identity leads the run name: re-runs of other configs are told apart.
+    name = f"{run_prefix(cfg)} " + "/".join([stage, *wildcards.values()])
+    tags = {
+        "rule": stage,
+        "config": config_hash(cfg),
+        "results_dir": cfg.results_dir,
+        **{f"wildcard.{k}": str(v) for k, v in wildcards.items()},
+    }
+    # Where the job runs, decided once (config `device`, or $DPADAPTER_DEVICE for this job);
+    # a job asked for CUDA on a node without it fails here, before any work.
+    dev = devices.resolve(cfg.device)
+    devices.configure(dev, cfg.tf32)
+    metrics: dict[str, Any] = {
+        "stage": stage,
+        "wildcards": wildcards,
+        "device": devices.describe(dev),
+    }
     t0 = time.time()
-    with tracking.start_run(cfg.tracking, run_name=name, tags=tags, run_id=resume_run_id) as run:
+    with tracking.start_run(
+        cfg.tracking, run_name=name, tags=tags, run_id=resume_run_id, results_dir=cfg.results_dir
+    ) as run:
+        run.set_tags({f"device.{k}": v for k, v in metrics["device"].items()})
+        # What the wildcards fix before training (a killed run shows it too); the rest after.
+        # Not the seed: an HPO trial's own seed differs from its wildcard's.
+        known = tracking.dp_summary({"wildcards": wildcards})[0]
+        run.log_new({k: v for k, v in known.items() if k in _KNOWN_AT_START}, {})
         yield run, metrics
         metrics["wall_time_s"] = round(time.time() - t0, 2)
         metrics["host"] = platform.node()
         path = out_dir / "metrics.json"
         write_json(path, metrics)
         run.log_metrics({"wall_time_s": metrics["wall_time_s"]})
+        run.log_new(*tracking.dp_summary(metrics))
         run.log_artifact(path)

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from dpadapter import device as devices
 from dpadapter.config import Config
 from dpadapter.data import build_splits
 from dpadapter.data.tasks import RoleData
 from dpadapter.stages.job import seed_everything, training_job
-from dpadapter.train.checkpoint import load_model, save_model
+from dpadapter.train.checkpoint import file_sha256, load_model, save_model
 from dpadapter.train.loops import evaluate, robust_accuracy
+from dpadapter.train.resume import ResumeFile, resume_file_path
 from dpadapter.upstream import UPSTREAMS, UpstreamContext
 from dpadapter.upstream.variants import parse_variant
 
@@ -33,8 +35,34 @@ def run(cfg: Config, method_name: str, out_dir: Path, warmup_ckpt: Path | None) 
     method = UPSTREAMS[base]({**cfg.upstream_params.get(base, {}), **overrides})
     seed_everything(cfg.seed)
     plan, roles = build_splits(cfg, ["public"])
-    public = roles["public"]
-    with training_job(cfg, "pretrain", {"upstream": method_name}, out_dir) as (run_, metrics):
+    dev = devices.resolve(cfg.device)
+    public = roles["public"].to(dev)
+    # Kept outside the outputs, so a killed or timed-out job continues on its retry; the
+    # identity includes the warm-up checkpoint's content, so a rebuilt warm-up starts afresh.
+    resume = ResumeFile(
+        resume_file_path(cfg.results_dir, "pretrain", method_name),
+        identity=repr(
+            (
+                method_name,
+                method.params,
+                cfg.upstream_params,
+                cfg.model,
+                cfg.public,
+                cfg.data,
+                cfg.seed,
+                file_sha256(warmup_ckpt) if warmup_ckpt and Path(warmup_ckpt).is_file() else None,
+            )
+        ),
+    )
+    run_id = resume.state.get("mlflow_run_id") if resume.state else None
+    wildcards = {"upstream": method_name}
+    with training_job(cfg, "pretrain", wildcards, out_dir, resume_run_id=run_id) as (
+        run_,
+        metrics,
+    ):
+        resume.extra["mlflow_run_id"] = run_.run_id
+        if resume.state:
+            metrics["resumed_from"] = resume.position()
         run_.log_params(
             {
                 "upstream": method_name,
@@ -48,6 +76,7 @@ def run(cfg: Config, method_name: str, out_dir: Path, warmup_ckpt: Path | None) 
             if warmup_ckpt is None:
                 raise ValueError(f"{method_name} needs the warm-up checkpoint")
             warm, _ = load_model(warmup_ckpt)
+            warm.to(dev)
 
         def log_epoch(epoch: int, stats: dict) -> None:
             run_.log_metrics(
@@ -55,13 +84,19 @@ def run(cfg: Config, method_name: str, out_dir: Path, warmup_ckpt: Path | None) 
             )
 
         ctx = UpstreamContext(
-            cfg, plan, public if method.needs_public_data else None, warm, cfg.seed, log_epoch
+            cfg,
+            plan,
+            public if method.needs_public_data else None,
+            warm,
+            cfg.seed,
+            log_epoch,
+            resume=resume,
         )
-        model = method.build(ctx)
+        model = method.build(ctx).to(dev)  # scratch is built on the CPU
         metrics.update(public_report(cfg, model, public))
         metrics["hyperparameters"] = {"upstream": base, **method.params, "seed": cfg.seed}
         run_.log_metrics({k: v for k, v in metrics.items() if isinstance(v, float)})
-        save_model(
+        metrics["checkpoint"] = save_model(
             out_dir / "model.pt",
             model,
             cfg.model,
@@ -69,4 +104,5 @@ def run(cfg: Config, method_name: str, out_dir: Path, warmup_ckpt: Path | None) 
             plan.in_chans,
             {"upstream": method_name},
         )
+    resume.clear()
     return metrics

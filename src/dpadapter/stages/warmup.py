@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from dpadapter import device as devices
 from dpadapter.config import Config
 from dpadapter.data import build_splits
 from dpadapter.models import create_model
@@ -11,13 +12,24 @@ from dpadapter.stages.job import seed_everything, training_job
 from dpadapter.stages.pretrain import public_report
 from dpadapter.train.checkpoint import save_model
 from dpadapter.train.loops import sgd_train
+from dpadapter.train.resume import ResumeFile, resume_file_path
 
 
 def run(cfg: Config, out_dir: Path) -> dict:
     seed_everything(cfg.seed)
     plan, roles = build_splits(cfg, ["public"])
-    public = roles["public"]
-    with training_job(cfg, "warmup", {}, out_dir) as (run_, metrics):
+    dev = devices.resolve(cfg.device)
+    public = roles["public"].to(dev)
+    # Kept outside the outputs, so a killed or timed-out job continues on its retry.
+    resume = ResumeFile(
+        resume_file_path(cfg.results_dir, "warmup"),
+        identity=repr((cfg.warmup, cfg.model, cfg.public, cfg.data, cfg.seed)),
+    )
+    run_id = resume.state.get("mlflow_run_id") if resume.state else None
+    with training_job(cfg, "warmup", {}, out_dir, resume_run_id=run_id) as (run_, metrics):
+        resume.extra["mlflow_run_id"] = run_.run_id
+        if resume.state:
+            metrics["resumed_from"] = resume.position()
         run_.log_params(
             {
                 "model": cfg.model.__dict__,
@@ -26,13 +38,20 @@ def run(cfg: Config, out_dir: Path) -> dict:
                 "public": cfg.public.__dict__,
             }
         )
-        model = create_model(cfg.model, public.num_classes, plan.in_chans, cfg.seed)
+        model = create_model(cfg.model, public.num_classes, plan.in_chans, cfg.seed).to(dev)
 
         def log_epoch(epoch: int, stats: dict) -> None:
             run_.log_metrics({k: v for k, v in stats.items() if k != "epoch"}, step=epoch)
 
         stats = sgd_train(
-            model, public.train, cfg.warmup, seed=cfg.seed, on_epoch=log_epoch, desc="warmup"
+            model,
+            public.train,
+            cfg.warmup,
+            seed=cfg.seed,
+            on_epoch=log_epoch,
+            desc="warmup",
+            resume=resume,
+            val=public.val,
         )
         metrics.update(public_report(cfg, model, public))
         metrics["train"] = stats
@@ -42,7 +61,7 @@ def run(cfg: Config, out_dir: Path) -> dict:
             "seed": cfg.seed,
         }
         run_.log_metrics({k: v for k, v in metrics.items() if isinstance(v, float)})
-        save_model(
+        metrics["checkpoint"] = save_model(
             out_dir / "model.pt",
             model,
             cfg.model,
@@ -50,4 +69,5 @@ def run(cfg: Config, out_dir: Path) -> dict:
             plan.in_chans,
             {"stage": "warmup"},
         )
+    resume.clear()
     return metrics

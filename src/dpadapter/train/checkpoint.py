@@ -1,7 +1,17 @@
-"""Model checkpoints that carry what is needed to rebuild the model without the config."""
+"""Model checkpoints that carry what is needed to rebuild the model without the config.
+
+Every checkpoint's sha256 is returned by `save_model` and stored by the stage in the
+`checkpoint` block of the job's metrics.json, beside the file; `load_model` checks it, so a
+truncated or corrupted file (a full disk, a copy cut short, bit rot on shared storage) fails
+with the file's name and the command that rebuilds it instead of a raw torch/OS error that every
+re-run repeats (Snakemake sees an up-to-date file and never rebuilds it by itself).
+"""
 
 from __future__ import annotations
 
+import hashlib
+import io
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -20,30 +30,106 @@ def save_model(
     num_classes: int,
     in_chans: int,
     meta: dict[str, Any],
-) -> None:
+) -> dict[str, Any]:
+    """Write the checkpoint atomically; return its `checkpoint` record for metrics.json.
+
+    The hash is taken of the very bytes written (serialised in memory first), so the record
+    describes this file and nothing else.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")
+    buf = io.BytesIO()
     torch.save(
         {
             "model": {"name": model_cfg.name, "groups": model_cfg.groups, "width": model_cfg.width},
             "num_classes": num_classes,
             "in_chans": in_chans,
-            "state_dict": model.state_dict(),
+            "state_dict": {
+                k: v.detach().cpu() if isinstance(v, torch.Tensor) else v
+                for k, v in model.state_dict().items()
+            },
             "meta": meta,
         },
-        tmp,
+        buf,
     )
+    data = buf.getvalue()
+    with open(tmp, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
     os.replace(tmp, path)  # never leave a half-written checkpoint under the final name
+    return {"file": path.name, "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that exists but cannot be trusted or read; the message says how to rebuild."""
+
+
+def file_sha256(path: str | Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _metrics_beside(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads((path.parent / "metrics.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def rebuild_hint(path: str | Path, metrics: dict[str, Any] | None = None) -> str:
+    """The command that rebuilds `path`: force the one job that writes it, then the rest."""
+    path = Path(path)
+    rule = (metrics or {}).get("stage")
+    by = f" (rule `{rule}`)" if rule else ""
+    return (
+        f"Rebuild it{by} with `snakemake --cores all --force {path}` (add the --configfile / "
+        f"--config options of the run that made it), then run `snakemake` again to redo the "
+        f"jobs that depend on it; or delete {path} and run `snakemake`."
+    )
+
+
+def verify_checkpoint(path: str | Path) -> None:
+    """Compare the file with the sha256 recorded in metrics.json beside it, when there is one.
+
+    A checkpoint without a record (written before records existed, or outside a stage) is only
+    checked by loading it.
+    """
+    path = Path(path)
+    metrics = _metrics_beside(path)
+    record = (metrics or {}).get("checkpoint")
+    if not isinstance(record, dict) or record.get("file") != path.name:
+        return
+    actual = file_sha256(path)
+    if actual != record.get("sha256"):
+        size = path.stat().st_size
+        raise CheckpointError(
+            f"checkpoint {path} is corrupt or truncated: {size} bytes with sha256 "
+            f"{actual[:16]}..., but {path.parent / 'metrics.json'} records "
+            f"{record.get('bytes')} bytes with sha256 {str(record.get('sha256'))[:16]}... "
+            f"as written. {rebuild_hint(path, metrics)}"
+        )
 
 
 def load_model(path: str | Path) -> tuple[nn.Module, dict[str, Any]]:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint not found: {path}")
-    ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    model = create_model(
-        ModelConfig(**ckpt["model"]), ckpt["num_classes"], ckpt["in_chans"], seed=0
-    )
-    model.load_state_dict(ckpt["state_dict"])
+    verify_checkpoint(path)
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+        model = create_model(
+            ModelConfig(**ckpt["model"]), ckpt["num_classes"], ckpt["in_chans"], seed=0
+        )
+        model.load_state_dict(ckpt["state_dict"])
+    except Exception as exc:  # any unreadable file: truncated zip, foreign pickle, wrong keys
+        raise CheckpointError(
+            f"checkpoint {path} cannot be loaded ({type(exc).__name__}: "
+            f"{str(exc).splitlines()[0] if str(exc) else ''}); it is corrupt, truncated or not "
+            f"a dpadapter model checkpoint. {rebuild_hint(path, _metrics_beside(path))}"
+        ) from exc
     return model, ckpt

@@ -2,17 +2,28 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import sys
+import time
 from collections.abc import Callable
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import TensorDataset
 from tqdm.auto import tqdm
 
+from dpadapter import device as devices
 from dpadapter.config import SGDConfig
+from dpadapter.device import to
+from dpadapter.train.batching import ShuffledBatches
+from dpadapter.train.progress import ProgressLine
+from dpadapter.train.resume import ResumeFile
 
 StepFn = Callable[[nn.Module, torch.optim.Optimizer, torch.Tensor, torch.Tensor], float]
+
+# Within a long epoch, `sgd_train` saves its resume state at most this often (seconds).
+SAVE_EVERY_S = 300.0
 
 
 def progress(iterable, **kw):
@@ -26,10 +37,12 @@ def evaluate(model: nn.Module, data: TensorDataset, batch_size: int = 1000) -> f
     model.eval()
     correct = 0
     x_all, y_all = data.tensors
+    dev = model_device(model)
+    hits = torch.zeros((), dtype=torch.long, device=dev)
     for i in range(0, len(y_all), batch_size):
-        correct += (
-            (model(x_all[i : i + batch_size]).argmax(1) == y_all[i : i + batch_size]).sum().item()
-        )
+        x, y = to(x_all[i : i + batch_size], dev), to(y_all[i : i + batch_size], dev)
+        hits += (model(x).argmax(1) == y).sum()
+    correct = int(hits)  # one device sync per evaluation, not per batch
     model.train(was_training)
     return correct / max(1, len(y_all))
 
@@ -62,6 +75,12 @@ def robust_accuracy(
     return sum(accs) / len(accs)
 
 
+def model_device(model: nn.Module) -> torch.device:
+    """Where the model lives: batches are moved there (a model without parameters: CPU)."""
+    p = next(model.parameters(), None)
+    return p.device if p is not None else torch.device("cpu")
+
+
 def standard_step(
     model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor
 ) -> float:
@@ -90,26 +109,102 @@ def sgd_train(
     step: StepFn = standard_step,
     on_epoch: Callable[[int, dict], None] | None = None,
     desc: str = "train",
+    resume: ResumeFile | None = None,
+    val: TensorDataset | None = None,
+    save_every_s: float = SAVE_EVERY_S,
 ) -> dict:
-    """Shuffled mini-batch SGD with momentum, weight decay and a step LR schedule."""
+    """Shuffled mini-batch SGD with momentum, weight decay and a step LR schedule.
+
+    With `resume`, the loop's whole position is saved at the end of every epoch and, within an
+    epoch, at most every `save_every_s` seconds (0: after every step): model, optimizer,
+    scheduler, the shuffling generator as it was when the epoch began (the resumed epoch replays
+    its permutation and skips the batches already taken), the global RNG and the step
+    function's own state (`state_dict`/`load_state_dict`, e.g. DPAdapter's B1 sampler and its
+    reused Delta). A run restored from it takes exactly the steps of an uninterrupted one.
+    `val` (optional) adds `val_accuracy` to each epoch's stats. Every epoch prints a progress
+    line on stderr (`dpadapter.train.progress`).
+    """
     g = torch.Generator().manual_seed(seed)
-    loader = DataLoader(data, batch_size=cfg.batch_size, shuffle=True, generator=g, drop_last=False)
+    loader = ShuffledBatches(data, cfg.batch_size, g, model_device(model))
+    per_step = cfg.schedule_unit == "steps"
+    if per_step:
+        if cfg.max_steps is None:
+            raise ValueError("schedule_unit 'steps' needs max_steps (the number of updates K)")
+        # as many passes as K updates need; the last one stops at K
+        cfg = dataclasses.replace(cfg, epochs=math.ceil(cfg.max_steps / max(1, len(loader))))
     opt, sched = make_sgd(model, cfg)
     model.train()
-    steps = 0
+    steps, first_epoch, skip, total, n = 0, 0, 0, 0.0, 0
     stats: dict = {}
-    for epoch in range(cfg.epochs):
-        total, n = 0.0, 0
-        for x, y in progress(loader, desc=f"{desc} epoch {epoch + 1}/{cfg.epochs}"):
-            total += step(model, opt, x, y) * len(y)
+    state = resume.state if resume is not None else None
+    dev = next(model.parameters()).device
+    if state is not None:
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        sched.load_state_dict(state["scheduler"])
+        if state.get("step") is not None:
+            step.load_state_dict(state["step"], device=dev)  # type: ignore[attr-defined]
+        g.set_state(state["loader_rng"])
+        devices.set_rng_state(state["rng"])
+        first_epoch, skip, steps = state["epoch"], state["batch"], state["steps"]
+        total, n = state["partial"]
+        stats = dict(state.get("stats", {}))
+    planned = cfg.epochs * len(loader)
+    report = ProgressLine(
+        desc, planned if cfg.max_steps is None else min(planned, cfg.max_steps), start_step=steps
+    )
+    last_save = time.monotonic()
+
+    def save(epoch: int, batch: int, loader_rng: torch.Tensor) -> None:
+        assert resume is not None
+        resume.save(
+            {
+                "epoch": epoch,
+                "batch": batch,
+                "steps": steps,
+                "partial": (total, n),
+                "stats": stats,
+                "model": model.state_dict(),
+                "optimizer": opt.state_dict(),
+                "scheduler": sched.state_dict(),
+                "step": step.state_dict() if hasattr(step, "state_dict") else None,
+                "loader_rng": loader_rng,
+                "rng": devices.rng_state(dev),
+            }
+        )
+
+    for epoch in range(first_epoch, cfg.epochs):
+        epoch_rng = g.get_state()  # the epoch's permutation is drawn from this state
+        if skip == 0:
+            total, n = 0.0, 0
+        batches = progress(loader, desc=f"{desc} epoch {epoch + 1}/{cfg.epochs}")
+        for i, (x, y) in enumerate(batches):
+            if i < skip:
+                continue  # taken before the interruption
+            loss = step(model, opt, x, y)
+            total += loss * len(y)
             n += len(y)
             steps += 1
+            if per_step:
+                sched.step()
             if cfg.max_steps is not None and steps >= cfg.max_steps:
                 break
-        sched.step()
+            if resume is not None and time.monotonic() - last_save >= save_every_s:
+                save(epoch, i + 1, epoch_rng)
+                last_save = time.monotonic()
+            report.step(steps, loss)
+        skip = 0
+        if not per_step:
+            sched.step()
         stats = {"epoch": epoch + 1, "train_loss": total / max(1, n), "steps": steps}
+        if val is not None and len(val):
+            stats["val_accuracy"] = evaluate(model, val)
         if on_epoch is not None:
             on_epoch(epoch + 1, stats)
+        report.epoch(epoch + 1, cfg.epochs, stats)
         if cfg.max_steps is not None and steps >= cfg.max_steps:
             break
+        if resume is not None and epoch + 1 < cfg.epochs:
+            save(epoch + 1, 0, g.get_state())
+            last_save = time.monotonic()
     return stats

@@ -15,6 +15,8 @@ from torch import nn
 
 from dpadapter.config import Config
 from dpadapter.data.tasks import RoleData, SplitPlan
+from dpadapter.param_schema import param_errors, params_object
+from dpadapter.train.resume import ResumeFile
 
 UPSTREAMS: dict[str, type[UpstreamMethod]] = {}
 
@@ -38,6 +40,8 @@ class UpstreamContext:
     warmup_model: nn.Module | None
     seed: int
     log_epoch: Callable[[int, dict], None]
+    # Where a method that trains keeps its resume state (None: no resuming, as in tests).
+    resume: ResumeFile | None = None
 
 
 class UpstreamMethod:
@@ -45,14 +49,15 @@ class UpstreamMethod:
     needs_warmup: ClassVar[bool] = True
     needs_public_data: ClassVar[bool] = True
 
+    # JSON schema of `pretrain.params.<name>` (and of variant overrides): the config validation
+    # refuses a typo or a wrong type before any job, and the constructor checks it again.
+    params_schema: ClassVar[dict[str, Any]] = params_object()
+
     def __init__(self, params: dict[str, Any] | None = None):
         params = dict(params or {})
-        unknown = set(params) - set(self.default_params())
-        if unknown:
-            raise ValueError(
-                f"{self.name}: unknown parameters {sorted(unknown)}; "
-                f"known: {sorted(self.default_params())}"
-            )
+        problems = param_errors(self.params_schema, params, f"pretrain.params.{self.name}")
+        if problems:
+            raise ValueError(f"{self.name}: invalid parameters:\n  " + "\n  ".join(problems))
         self.params = {**self.default_params(), **params}
 
     @classmethod

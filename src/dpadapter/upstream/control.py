@@ -13,12 +13,16 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from dpadapter.param_schema import params_object
 from dpadapter.train.loops import sgd_train
 from dpadapter.upstream.base import UPSTREAMS, UpstreamContext, UpstreamMethod, register_upstream
 
 
 @register_upstream("control")
 class ComputeMatchedControl(UpstreamMethod):
+    # `match` must name a method with an SGD schedule; dpadapter.validation checks the name.
+    params_schema = params_object(match={"type": "string"})
+
     @classmethod
     def default_params(cls) -> dict[str, Any]:
         return {"match": "dpadapter"}
@@ -40,5 +44,7 @@ class ComputeMatchedControl(UpstreamMethod):
             seed=ctx.seed,
             on_epoch=ctx.log_epoch,
             desc="control",
+            resume=ctx.resume,
+            val=ctx.public.val,
         )
         return model

@@ -69,6 +69,7 @@ that the cap shortened) and `refreshes`.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import zlib
 from collections.abc import Iterator, Sequence
@@ -80,6 +81,15 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from dpadapter.config import SGDConfig
+from dpadapter.param_schema import (
+    FRACTION,
+    NON_NEGATIVE,
+    NON_NEGATIVE_INT,
+    POSITIVE,
+    POSITIVE_INT,
+    nullable,
+    params_object,
+)
 from dpadapter.train.loops import sgd_train
 from dpadapter.upstream.base import UpstreamContext, UpstreamMethod, register_upstream
 
@@ -113,7 +123,7 @@ def _chunks(
         if index is None:
             yield x[start : start + chunk_size], y[start : start + chunk_size]
         else:
-            rows = index[start : start + chunk_size]
+            rows = index[start : start + chunk_size].to(x.device)
             yield x[rows], y[rows]
 
 
@@ -283,6 +293,30 @@ class PerturbedStep:
         self.stats = _EpochStats()
         return out
 
+    def state_dict(self) -> dict[str, Any]:
+        """What `sgd_train` saves to resume exactly: the step count (when Delta is refreshed),
+        the Delta in use (reused across steps, and epochs, when refresh_every > 1), the B1
+        sampler's generator and this epoch's running statistics."""
+        return {
+            "steps": self.steps,
+            "last_delta": None
+            if self.last_delta is None
+            else [d.detach().cpu() for d in self.last_delta],
+            "last_b1": None if self.last_b1 is None else self.last_b1.cpu(),
+            "sampler_rng": None if self.sampler is None else self.sampler.generator.get_state(),
+            "stats": dataclasses.asdict(self.stats),
+        }
+
+    def load_state_dict(self, state: dict[str, Any], device: torch.device | None = None) -> None:
+        self.steps = int(state["steps"])
+        self.last_delta = (
+            None if state["last_delta"] is None else [d.to(device) for d in state["last_delta"]]
+        )
+        self.last_b1 = state["last_b1"]
+        if self.sampler is not None and state["sampler_rng"] is not None:
+            self.sampler.generator.set_state(state["sampler_rng"])
+        self.stats = _EpochStats(**state["stats"])
+
 
 _SCHEDULE_DEFAULTS: dict[str, Any] = {
     "epochs": 1000,
@@ -294,6 +328,20 @@ _SCHEDULE_DEFAULTS: dict[str, Any] = {
     "eta1": 1.0,
     "chunk_size": 1000,
     "max_steps": None,
+    "schedule_unit": "epochs",
+}
+# Types and ranges of the schedule params, shared by SAM and DPAdapter (each declares its own).
+_SCHEDULE_SCHEMA: dict[str, dict[str, Any]] = {
+    "epochs": NON_NEGATIVE_INT,
+    "lr": NON_NEGATIVE,  # 0 is allowed: tests check that a step at lr 0 reverts exactly
+    "milestones": {"type": "array", "items": POSITIVE_INT},
+    "lr_gamma": POSITIVE,
+    "momentum": FRACTION,
+    "weight_decay": NON_NEGATIVE,
+    "eta1": NON_NEGATIVE,
+    "chunk_size": POSITIVE_INT,
+    "max_steps": nullable(POSITIVE_INT),
+    "schedule_unit": {"enum": ["epochs", "steps"]},
 }
 
 
@@ -320,6 +368,7 @@ class _PerturbedUpstream(UpstreamMethod):
             milestones=tuple(int(m) for m in p["milestones"]),
             lr_gamma=float(p["lr_gamma"]),
             max_steps=None if p["max_steps"] is None else int(p["max_steps"]),
+            schedule_unit=str(p["schedule_unit"]),
         )
 
     def train(self, model: nn.Module, ctx: UpstreamContext) -> tuple[nn.Module, PerturbedStep]:
@@ -339,6 +388,8 @@ class _PerturbedUpstream(UpstreamMethod):
             step=step,
             on_epoch=on_epoch,
             desc=self.name,
+            resume=ctx.resume,
+            val=ctx.public.val,
         )
         return model, step
 
@@ -354,6 +405,8 @@ class _PerturbedUpstream(UpstreamMethod):
 @register_upstream("sam")
 class SAM(_PerturbedUpstream):
     """Vanilla SAM / AMP baseline: Delta and the update come from the same batch of size m."""
+
+    params_schema = params_object(**_SCHEDULE_SCHEMA, m=POSITIVE_INT, gamma=NON_NEGATIVE)
 
     @classmethod
     def default_params(cls) -> dict[str, Any]:
@@ -372,6 +425,14 @@ class SAM(_PerturbedUpstream):
 @register_upstream("dpadapter")
 class DPAdapter(_PerturbedUpstream):
     """Algorithm 1: Delta from an independent large batch B1, the update from a small B2."""
+
+    params_schema = params_object(
+        **_SCHEDULE_SCHEMA,
+        m1=POSITIVE_INT,
+        m2=POSITIVE_INT,
+        gamma=NON_NEGATIVE,
+        refresh_every=POSITIVE_INT,
+    )
 
     @classmethod
     def default_params(cls) -> dict[str, Any]:

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# GPU smoke test: the tiny pipeline's stages and every DP algorithm on CUDA, checked
+# (bench/gpu_smoke.py), then the CUDA tests of the suite (they skip on CPU-only machines).
+# Runs unchanged on a cluster GPU node (after `make setup`) and on the lent H100:
+#   bash bench/gpu_smoke.sh [OUT_DIR]        # default: $OUT, else results/gpu
+# On a machine without the project's venv, wheels carried in .whl/ (bench/gpu_wheels.sh makes
+# them) are installed to /tmp/site first.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out="${1:-${OUT:-results/gpu}}"
+mkdir -p "$out"
+if [ -x .venv/bin/python ]; then
+  py=.venv/bin/python
+else
+  py=python3
+  if [ -d .whl ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target /tmp/site .whl/*.whl
+    export PYTHONPATH=/tmp/site
+  fi
+fi
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$out/nvidia_smi.csv"
+"$py" bench/gpu_smoke.py --out "$out/gpu_smoke.json"
+"$py" -m pytest -q -p no:xdist -p no:cacheprovider tests/test_device.py tests/train/test_batching.py \
+  2>&1 | tee "$out/gpu_pytest.log"

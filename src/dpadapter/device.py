@@ -1,0 +1,118 @@
+"""The one place that decides where tensors live and how CUDA is configured.
+
+Every stage asks `resolve(cfg)` for its device instead of testing `torch.cuda.is_available()`
+itself, so `device: cpu` in the config (or `DPADAPTER_DEVICE=cpu` for a single job) really keeps
+a job off the GPU, and a job that was asked for CUDA on a node without one fails at once instead
+of silently running on the node's CPUs for hours.
+
+Random streams that must stay reproducible across devices (data order, Poisson sampling, weight
+noise of the robustness metric) use CPU generators; the Gaussian noise of the DP mechanism is
+drawn on the parameters' device from a seeded generator of that device, because Opacus draws it
+with `torch.normal(..., generator=g, device=p.device)` and cannot mix a CPU generator with CUDA
+tensors.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+from typing import Any
+
+import torch
+from torch.utils.data import TensorDataset
+
+ENV_VAR = "DPADAPTER_DEVICE"
+CHOICES = ("auto", "cpu", "cuda")
+
+# Datasets up to this share of the free GPU memory are copied to the GPU once; larger ones stay
+# in pinned host memory and move batch by batch.
+_RESIDENT_SHARE = 0.25
+
+
+class DeviceError(RuntimeError):
+    """The requested device cannot be used here."""
+
+
+def requested(configured: str = "auto") -> str:
+    """The device asked for: the environment variable wins over the config (one job, one node)."""
+    choice = os.environ.get(ENV_VAR, "").strip().lower() or configured
+    base = choice.split(":", 1)[0]
+    if base not in CHOICES:
+        raise DeviceError(f"device {choice!r} (from ${ENV_VAR} or config): use one of {CHOICES}")
+    return choice
+
+
+def resolve(configured: str = "auto") -> torch.device:
+    choice = requested(configured)
+    if choice == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if choice.startswith("cuda") and not torch.cuda.is_available():
+        raise DeviceError(
+            f"device {choice!r} requested but torch {torch.__version__} sees no CUDA device "
+            f"(CUDA build: {torch.version.cuda}); set device: auto or cpu, or run on a GPU node"
+        )
+    return torch.device(choice)
+
+
+def configure(device: torch.device, tf32: bool = True) -> None:
+    """TF32 matmuls/convolutions (free speed on Ampere+), cuDNN autotuning for fixed shapes.
+
+    cuDNN benchmark mode re-tunes for every new input shape; the DP loops therefore pad Poisson
+    batches to one fixed physical size on CUDA (`dpadapter.train.batching`).
+    """
+    if device.type != "cuda":
+        return
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+    torch.backends.cudnn.allow_tf32 = tf32
+    torch.backends.cudnn.benchmark = True
+
+
+def describe(device: torch.device) -> dict[str, Any]:
+    """What metrics.json and MLflow record about where a job ran."""
+    out: dict[str, Any] = {
+        "device": str(device),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "host": platform.node(),
+    }
+    if device.type == "cuda":
+        idx = device.index if device.index is not None else torch.cuda.current_device()
+        out["device_name"] = torch.cuda.get_device_name(idx)
+        out["cudnn"] = torch.backends.cudnn.version()
+        out["tf32"] = bool(torch.backends.cuda.matmul.allow_tf32)
+    else:
+        out["device_name"] = platform.processor() or platform.machine()
+    return out
+
+
+def generator(device: torch.device, seed: int) -> torch.Generator:
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+def rng_state(device: torch.device) -> dict[str, Any]:
+    state: dict[str, Any] = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def place(data: TensorDataset, device: torch.device) -> TensorDataset:
+    """The dataset on the GPU when it fits comfortably, else in pinned host memory; CPU: as is."""
+    if device.type != "cuda":
+        return data
+    nbytes = sum(t.numel() * t.element_size() for t in data.tensors)
+    free, _ = torch.cuda.mem_get_info(device)
+    if nbytes <= _RESIDENT_SHARE * free:
+        return TensorDataset(*(t.to(device) for t in data.tensors))
+    return TensorDataset(*(t.pin_memory() for t in data.tensors))
+
+
+def to(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host-to-device copy that overlaps compute when the source is pinned."""
+    return x.to(device, non_blocking=x.is_pinned())

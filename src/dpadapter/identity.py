@@ -1,0 +1,141 @@
+"""Which config a results folder holds, so two configs never overwrite each other unnoticed.
+
+Snakemake reruns a job when the config sections it depends on change (the `fp` params), and
+overwrites that job's outputs: editing a config, or pointing a second config at the same
+`results_dir`, replaces finished results. The identity of the effective config (the validated
+`Config`, defaults filled in) is written to `<results_dir>/config-identity.json` when a real run
+starts (Snakemake's `onstart`, never in a dry run); the next invocation compares its own config
+with it before any job is scheduled and names the sections that differ. A real run with a
+different config is refused unless `DPADAPTER_ALLOW_OVERWRITE=1` is set (docs/experiments.md).
+
+The same short hash names the MLflow runs (`dpadapter.stages.job`), so runs of different configs
+can be told apart in the UI. Written by hand: neither Snakemake nor MLflow records which config
+produced a results folder.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from dpadapter.config import Config
+
+IDENTITY_FILE = "config-identity.json"
+OVERWRITE_ENV = "DPADAPTER_ALLOW_OVERWRITE"
+# Config fields that change where results go or where jobs run, not what the results are.
+_NOT_IDENTITY = ("results_dir", "tracking", "device")
+# Dataclass fields whose config key has another name.
+_SECTION_OF = {"upstreams": "pretrain", "upstream_params": "pretrain"}
+
+
+def sections(cfg: Config) -> dict[str, Any]:
+    """The effective config by top-level config key, as JSON-able data."""
+    out: dict[str, Any] = {}
+    for name, value in cfg.to_dict().items():
+        if name in _NOT_IDENTITY:
+            continue
+        key = _SECTION_OF.get(name, name)
+        if key != name:
+            out.setdefault(key, {})[name] = value
+        else:
+            out[key] = value
+    return json.loads(json.dumps(out, sort_keys=True, default=str))
+
+
+def config_hash(cfg: Config) -> str:
+    return hashlib.sha256(json.dumps(sections(cfg), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def run_prefix(cfg: Config) -> str:
+    """`<results folder name>@<8 hex of the config hash>`: the MLflow run-name prefix."""
+    return f"{Path(cfg.results_dir).name}@{config_hash(cfg)[:8]}"
+
+
+def identity_path(results_dir: str | Path) -> Path:
+    return Path(results_dir) / IDENTITY_FILE
+
+
+def read(results_dir: str | Path) -> dict | None:
+    p = identity_path(results_dir)
+    try:
+        return json.loads(p.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _leaves(d: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(d, dict):
+        out: dict[str, Any] = {}
+        for k, v in d.items():
+            out.update(_leaves(v, f"{prefix}{k}."))
+        return out
+    return {prefix.rstrip("."): d}
+
+
+def differences(stored: dict, cfg: Config) -> tuple[list[str], list[str]]:
+    """(top-level sections that differ, up to 6 `key: old -> new` lines)."""
+    old, new = stored.get("sections", {}), sections(cfg)
+    names = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+    lo, ln = _leaves(old), _leaves(new)
+    missing = "(unset)"
+    keys = sorted(k for k in set(lo) | set(ln) if lo.get(k, missing) != ln.get(k, missing))
+    lines = [f"{k}: {lo.get(k, missing)!r} -> {ln.get(k, missing)!r}" for k in keys[:6]]
+    if len(keys) > 6:
+        lines.append(f"... and {len(keys) - 6} more")
+    return names, lines
+
+
+def check(cfg: Config) -> str | None:
+    """A warning when `cfg.results_dir` holds results of another config, else None."""
+    stored = read(cfg.results_dir)
+    if stored is None or stored.get("hash") == config_hash(cfg):
+        return None
+    names, lines = differences(stored, cfg)
+    folder = cfg.results_dir
+    detail = "".join(f"\n    {line}" for line in lines)
+    return (
+        f"{folder}/ holds results of another config (config {stored.get('hash', '?')[:8]}, "
+        f"written {stored.get('written', '?')}; this config is {config_hash(cfg)[:8]}).\n"
+        f"  Sections that differ: {', '.join(names) or '(none)'}{detail}\n"
+        "  Running it re-runs every job those sections affect and overwrites its results.\n"
+        f"  To keep both, give this config its own folder: `results_dir: {folder}-<name>` in it "
+        f"(or `--config results_dir={folder}-<name>`).\n"
+        f"  To replace them on purpose, run with {OVERWRITE_ENV}=1."
+    )
+
+
+def overwrite_allowed() -> bool:
+    return os.environ.get(OVERWRITE_ENV, "").strip().lower() in {"1", "true", "yes"}
+
+
+def record(cfg: Config) -> Path:
+    """Write the identity of `cfg` into its results folder (atomically); keep earlier hashes."""
+    p = identity_path(cfg.results_dir)
+    stored = read(cfg.results_dir) or {}
+    h = config_hash(cfg)
+    previous = list(stored.get("previous", []))
+    if stored.get("hash") and stored["hash"] != h:
+        previous.append({"hash": stored["hash"], "written": stored.get("written")})
+    payload = {
+        "hash": h,
+        "written": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "previous": previous,
+        "sections": sections(cfg),
+    }
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(payload, indent=1, sort_keys=True) + "\n")
+    os.replace(tmp, p)
+    return p
+
+
+def before_run(cfg: Config) -> None:
+    """Snakemake `onstart`: refuse to overwrite another config's results, else record ours."""
+    message = check(cfg)
+    if message is not None and not overwrite_allowed():
+        raise RuntimeError("refusing to run: " + message)
+    record(cfg)

@@ -1,0 +1,113 @@
+"""A published table beside ours: the paper's mean ± std per cell, ours over seeds, and ERR.
+
+Reproducing a paper means showing its numbers next to ours in the same layout. The cells come
+from the config's `reference` section (the paper's numbers, typed in once with their source);
+ours come from `finetune.csv` (mean and std over the seeds that ran). ERR is the DP-SAT paper's
+error-rate reduction of `improved` over `baseline` at each epsilon,
+(err_baseline - err_improved) / err_baseline with err = 100 - accuracy %, computed the same way
+for the paper's numbers and for ours. A cell that did not run is shown as "not run", never
+dropped, so a partial reproduction says what is missing.
+"""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+from dpadapter.config import ReferenceConfig
+from dpadapter.stages.aggregate import write_csv
+
+COLUMNS = [
+    "algorithm",
+    "epsilon",
+    "paper_mean",
+    "paper_std",
+    "ours_mean",
+    "ours_std",
+    "n_seeds",
+    "difference",
+]
+
+
+def err(baseline: float | None, improved: float | None) -> float | None:
+    """Error-rate reduction in % (accuracies in %)."""
+    if baseline is None or improved is None or baseline >= 100:
+        return None
+    return 100 * ((100 - baseline) - (100 - improved)) / (100 - baseline)
+
+
+def _ours(rows: list[dict], ref: ReferenceConfig) -> dict[tuple[str, float], dict]:
+    out = {}
+    for r in rows:
+        if r["upstream"] == ref.upstream and r["task"] == ref.task:
+            out[(r["algorithm"], float(r["epsilon"]))] = r
+    return out
+
+
+def compare(rows: list[dict], ref: ReferenceConfig) -> list[dict]:
+    ours = _ours(rows, ref)
+    table = []
+    for c in ref.cells:
+        mine = ours.get((c.algorithm, float(c.epsilon)))
+        mean = 100 * float(mine["mean_accuracy"]) if mine else None
+        table.append(
+            {
+                "algorithm": c.algorithm,
+                "epsilon": float(c.epsilon),
+                "paper_mean": c.mean,
+                "paper_std": c.std,
+                "ours_mean": mean,
+                "ours_std": 100 * float(mine["std_accuracy"]) if mine else None,
+                "n_seeds": int(mine["n_seeds"]) if mine else 0,
+                "difference": None if mean is None else mean - c.mean,
+            }
+        )
+    return table
+
+
+def _pm(mean: float | None, std: float | None, n: int | None = None) -> str:
+    if mean is None:
+        return "not run"
+    s = f"{mean:.2f} ± {std:.2f}"
+    return s + (f" ({n} seed{'s' if n != 1 else ''})" if n is not None else "")
+
+
+def markdown(table: list[dict], ref: ReferenceConfig) -> str:
+    algos = list(dict.fromkeys(r["algorithm"] for r in table))
+    epsilons = sorted({r["epsilon"] for r in table})
+    cell = {(r["algorithm"], r["epsilon"]): r for r in table}
+    lines = [
+        f"# {ref.name}",
+        "",
+        f"Source: {ref.source}. Ours: `{ref.upstream}` → `{ref.task}`, test accuracy % "
+        "(mean ± std over seeds). ERR: error-rate reduction of "
+        f"{ref.improved} over {ref.baseline}.",
+        "",
+        "| ε | "
+        + " | ".join(f"{a} (paper) | {a} (ours)" for a in algos)
+        + " | ERR paper | ERR ours |",
+        "|---|" + "---|---|" * len(algos) + "---|---|",
+    ]
+    for e in epsilons:
+        parts = []
+        for a in algos:
+            r = cell.get((a, e))
+            parts.append(_pm(r["paper_mean"], r["paper_std"]) if r else "–")
+            parts.append(_pm(r["ours_mean"], r["ours_std"], r["n_seeds"]) if r else "–")
+        b, i = cell.get((ref.baseline, e)), cell.get((ref.improved, e))
+        e_paper = err(b and b["paper_mean"], i and i["paper_mean"])
+        e_ours = err(b and b["ours_mean"], i and i["ours_mean"])
+        fmt = lambda v: "–" if v is None else f"{v:.2f}%"  # noqa: E731
+        lines.append(f"| {e:g} | " + " | ".join(parts) + f" | {fmt(e_paper)} | {fmt(e_ours)} |")
+    if ref.notes:
+        lines += ["", ref.notes]
+    return "\n".join(lines) + "\n"
+
+
+def run(finetune_csv: Path, ref: ReferenceConfig, out_csv: Path, out_md: Path) -> list[dict]:
+    with open(finetune_csv, newline="") as fh:
+        rows = list(csv.DictReader(fh))
+    table = compare(rows, ref)
+    write_csv(table, out_csv, COLUMNS)
+    out_md.write_text(markdown(table, ref))
+    return table

@@ -1,0 +1,397 @@
+"""Every check of a config that needs the registries, in one place, before any job starts.
+
+`dpadapter.config` holds the dataclasses, the JSON schema check and the parsing, and imports no
+registry (the registries import its dataclasses). This module sits above both: it plugs each
+registered method's and algorithm's `params_schema` into the config schema, resolves names
+against the registries, checks the data a config asks for against the dataset registry's
+declared sizes (no data is loaded), and refuses privacy parameters that make no sense. The
+workflow (`workflow/rules/common.smk`) and the CLI (`python -m dpadapter`) call `validate` /
+`load`; every message names the full key.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import itertools
+from pathlib import Path
+from typing import Any
+
+from dpadapter.algorithms import ALGORITHMS
+from dpadapter.config import Config, ConfigError, SplitConfig, base_schema, read_raw, validate_raw
+from dpadapter.config import from_dict as _parse
+from dpadapter.data import DATASET_INFO, missing_files
+from dpadapter.models import MODEL_NAMES
+from dpadapter.param_schema import param_errors
+from dpadapter.privacy import max_reachable_epsilon
+from dpadapter.privacy.accounting import SIGMA_MIN
+from dpadapter.upstream import UPSTREAMS
+from dpadapter.upstream.variants import format_variant, parse_variant
+
+__all__ = ["ConfigError", "full_schema", "load", "validate", "variant_problems"]
+
+# Subsets of roles drawn from one source whose joint demand is checked (2^k of them).
+_MAX_ROLES_FOR_SUBSETS = 10
+
+
+def full_schema() -> dict[str, Any]:
+    """The config schema with every registered method's and algorithm's params schema in it."""
+    return copy.deepcopy(_full_schema())
+
+
+@functools.cache
+def _full_schema() -> dict[str, Any]:  # parsing the schema's YAML costs 0.1 s; once a process
+    schema = base_schema()
+    props = schema["properties"]
+
+    def plug(section: dict[str, Any], key: str, registry: dict[str, Any], what: str) -> None:
+        section["properties"][key] = {
+            "type": "object",
+            "description": f"per-{what} hyperparameters, keyed by registry name",
+            "additionalProperties": False,
+            "properties": {name: cls.params_schema for name, cls in registry.items()},
+        }
+
+    plug(props["pretrain"], "params", UPSTREAMS, "method")
+    plug(props["finetune"], "algo_params", ALGORITHMS, "algorithm")
+    return schema
+
+
+def validate(raw: dict[str, Any], check_files: bool = False) -> Config:
+    """Schema (with the registries' params schemas), parsing, then every cross-field check.
+
+    `check_files` also looks for each dataset's files (the workflow does; a job's CLI does not,
+    as its loader reports missing files itself).
+    """
+    raw = copy.deepcopy(raw)
+    validate_raw(raw, _full_schema())
+    cfg = _parse(raw, validate=False)
+    problems = _name_problems(cfg)
+    problems += _hpo_problems(cfg)
+    problems += _federated_problems(cfg)
+    problems += _data_problems(cfg)
+    problems += _privacy_problems(cfg)
+    problems += _reference_problems(cfg)
+    if check_files:
+        problems += file_problems(cfg)
+    if problems:
+        raise ConfigError("invalid config:\n" + "\n".join(f"  {p}" for p in problems))
+    return cfg
+
+
+def load(
+    path: str | Path, overrides: dict[str, Any] | None = None, check_files: bool = False
+) -> Config:
+    return validate(read_raw(path, overrides), check_files=check_files)
+
+
+def variant_problems(name: str, params: dict[str, dict[str, Any]], where: str) -> list[str]:
+    """Problems of an upstream name `method[+param=value]...` against the method's schema.
+
+    The variant's params are the config's `pretrain.params.<method>` with the overrides on top,
+    which is what the pretrain job will construct the method with.
+    """
+    try:
+        method, overrides = parse_variant(name)
+    except ValueError as exc:
+        return [f"{where}: {exc}"]
+    if method not in UPSTREAMS:
+        return [f"{where}: unknown upstream method {method!r}; known: {sorted(UPSTREAMS)}"]
+    if not overrides:
+        return []
+    merged = {**params.get(method, {}), **overrides}
+    schema = UPSTREAMS[method].params_schema
+    return [
+        f"{where}: upstream variant {name!r}: {p}"
+        for p in param_errors(schema, merged, f"pretrain.params.{method}")
+    ]
+
+
+def file_problems(cfg: Config) -> list[str]:
+    """Each dataset whose files the loader will not find, with the loader's own message."""
+    out = []
+    seen: set[str] = set()
+    for where, split in _roles(cfg):
+        if split.dataset in seen or split.dataset not in DATASET_INFO:
+            continue
+        seen.add(split.dataset)
+        msg = missing_files(split.dataset, cfg.data.root, cfg.data.download)
+        if msg:
+            out.append(f"{where}.dataset: {msg}")
+    return out
+
+
+# --- names ---------------------------------------------------------------------------------
+
+
+def _roles(cfg: Config) -> list[tuple[str, SplitConfig]]:
+    return [("public", cfg.public)] + [(f"tasks.{n}", t) for n, t in cfg.tasks.items()]
+
+
+def _name_problems(cfg: Config) -> list[str]:
+    """Names resolved against the registries and the config's own lists."""
+    problems = []
+    for where, split in _roles(cfg):
+        if split.dataset not in DATASET_INFO:
+            problems.append(
+                f"{where}.dataset: unknown dataset {split.dataset!r}; known: {sorted(DATASET_INFO)}"
+            )
+    for name in cfg.finetune.algorithms:
+        if name not in ALGORITHMS:
+            problems.append(
+                f"finetune.algorithms: unknown algorithm {name!r}; known: {sorted(ALGORITHMS)}"
+            )
+    for name in cfg.upstreams:
+        if name not in UPSTREAMS:
+            problems.append(
+                f"pretrain.methods: unknown upstream method {name!r}; known: {sorted(UPSTREAMS)}"
+            )
+    match = cfg.upstream_params.get("control", {}).get("match")
+    if match is not None and not hasattr(UPSTREAMS.get(match), "sgd_config"):
+        schedules = sorted(n for n, c in UPSTREAMS.items() if hasattr(c, "sgd_config"))
+        problems.append(
+            f"pretrain.params.control.match: {match!r} has no SGD schedule to match; "
+            f"one of {schedules}"
+        )
+    for name in cfg.finetune.upstreams:
+        if name not in cfg.upstreams:
+            problems.append(f"finetune.upstreams: {name!r} is not in pretrain.methods")
+    for i, g in enumerate(cfg.finetune.extra_grids):
+        where = f"finetune.extra_grids.{i}"
+        for name in g.algorithms:
+            if name not in ALGORITHMS:
+                problems.append(f"{where}.algorithms: unknown algorithm {name!r}")
+        for name in g.upstreams:
+            if name not in cfg.upstreams:
+                problems.append(f"{where}.upstreams: {name!r} is not in pretrain.methods")
+        for name in g.tasks:
+            if name not in cfg.tasks:
+                problems.append(f"{where}.tasks: unknown task {name!r}")
+    if not cfg.model.name.startswith("timm:") and cfg.model.name not in MODEL_NAMES:
+        problems.append(
+            f"model.name: unknown model {cfg.model.name!r}; "
+            f"known: {sorted(MODEL_NAMES)} or 'timm:<name>'"
+        )
+    if not 0 < cfg.privacy.delta < 1:
+        problems.append("privacy.delta: must be in (0, 1)")
+    for i, name in enumerate(cfg.sweeps.methods):
+        if name not in UPSTREAMS:
+            problems.append(f"sweeps.methods: unknown upstream method {name!r}")
+            continue
+        for g in cfg.sweeps.gammas:
+            variant = format_variant(name, gamma=g)
+            found = variant_problems(variant, cfg.upstream_params, f"sweeps.methods.{i}")
+            problems += found
+            if found:
+                break  # the other gammas fail the same way
+    for name in cfg.sweeps.tasks:
+        if name not in cfg.tasks:
+            problems.append(f"sweeps.tasks: unknown task {name!r}")
+    if cfg.sweeps.algorithm not in ALGORITHMS:
+        problems.append(f"sweeps.algorithm: unknown algorithm {cfg.sweeps.algorithm!r}")
+    return list(dict.fromkeys(problems))
+
+
+def _hpo_problems(cfg: Config) -> list[str]:
+    """Cross-field checks of the `hpo` section (names, ranges, and a budget the trials fit in)."""
+    h, out = cfg.hpo, []
+    for name in h.upstreams:
+        if name not in cfg.upstreams:
+            out.append(f"hpo.upstreams: {name!r} is not in pretrain.methods")
+    for name in h.tasks:
+        if name not in cfg.tasks:
+            out.append(f"hpo.tasks: unknown task {name!r}")
+    for name in h.algorithms:
+        if name not in ALGORITHMS:
+            out.append(f"hpo.algorithms: unknown algorithm {name!r}; known: {sorted(ALGORITHMS)}")
+    eps = list(h.sweep_epsilons)
+    if eps != sorted(set(eps)):
+        out.append("hpo.sweep_epsilons: must be strictly increasing")
+    if eps and eps[-1] >= h.target_epsilon:
+        out.append("hpo.sweep_epsilons: every sweep budget must be below hpo.target_epsilon")
+    need = {"linear": 2, "quadratic": 3}.get(h.fit, 2)
+    if len(eps) < need:
+        out.append(f"hpo.sweep_epsilons: a {h.fit} fit needs at least {need} sweep budgets")
+    if not 0 < h.lr_range[0] <= h.lr_range[1]:
+        out.append("hpo.lr_range: must be [min, max] with 0 < min <= max")
+    if not 1 <= h.steps_range[0] <= h.steps_range[1]:
+        out.append("hpo.steps_range: must be [min, max] with 1 <= min <= max")
+    return out
+
+
+def _federated_problems(cfg: Config) -> list[str]:
+    """Cross-field checks of the `federated` section (names resolved against the config)."""
+    f, out = cfg.federated, []
+    if f.task is not None and f.task not in cfg.tasks:
+        out.append(f"federated.task: unknown task {f.task!r}; known: {sorted(cfg.tasks)}")
+    for name in f.upstreams:
+        if name not in cfg.upstreams:
+            out.append(f"federated.upstreams: {name!r} is not in pretrain.methods")
+    if "scratch" in f.strategies and "scratch" not in cfg.upstreams:
+        out.append("federated.strategies: 'scratch' needs 'scratch' in pretrain.methods")
+    if any(s != "scratch" for s in f.strategies) and not f.pretrained(cfg.upstreams):
+        out.append("federated.upstreams: no pre-trained upstream for ht/ft/ut")
+    missing = [m for m in f.mechanisms if m not in f.sweep_epsilons] if f.rounds_sweep else []
+    for m in missing:
+        out.append(f"federated.sweep_epsilons: rounds_sweep needs an epsilon for {m!r}")
+    if f.laplace.sample_rate != 1.0:
+        out.append("federated.laplace.sample_rate: must be 1 (Theorem 1 uses every example)")
+    if isinstance(f.ut_t1, str) and f.ut_t1 != "rule":
+        out.append("federated.ut_t1: 'rule' or a fraction in [0, 1]")
+    m = f.estimate_points  # the T1 rule's points: rounds 0, s, .., (m-1)s, s = rounds // (2m)
+    for t in sorted({f.rounds, *f.rounds_sweep}):
+        if f.ut_t1 == "rule" and (m - 1) * max(1, t // (2 * m)) > t - 1:
+            out.append(f"federated.estimate_points: {m} points do not fit in {t} rounds")
+    return out
+
+
+# --- data: class ids, split sizes (from the registry's declared counts, nothing loaded) ------
+
+
+def _reference_problems(cfg: Config) -> list[str]:
+    """The published table must point at runs this config makes, or its columns stay empty."""
+    ref, out = cfg.reference, []
+    if ref is None:
+        return out
+    if ref.upstream not in cfg.upstreams:
+        out.append(f"reference.upstream: {ref.upstream!r} is not in pretrain.methods")
+    if ref.task not in cfg.tasks:
+        out.append(f"reference.task: unknown task {ref.task!r}; known: {sorted(cfg.tasks)}")
+    cells = {c.algorithm for c in ref.cells}
+    for i, c in enumerate(ref.cells):
+        if c.algorithm not in ALGORITHMS:
+            out.append(f"reference.cells.{i}.algorithm: unknown algorithm {c.algorithm!r}")
+    for key in ("baseline", "improved"):
+        if getattr(ref, key) not in cells:
+            out.append(f"reference.{key}: {getattr(ref, key)!r} has no cell in reference.cells")
+    return out
+
+
+def _classes(split: SplitConfig) -> tuple[int, ...]:
+    return split.classes or tuple(range(DATASET_INFO[split.dataset].num_classes))
+
+
+def _data_problems(cfg: Config) -> list[str]:
+    out = []
+    roles = [(w, s) for w, s in _roles(cfg) if s.dataset in DATASET_INFO]
+    ok_roles = []
+    for where, split in roles:
+        k = DATASET_INFO[split.dataset].num_classes
+        bad = [c for c in split.classes or () if c >= k]
+        if bad:
+            out.append(
+                f"{where}.classes: {bad} out of range: {split.dataset} has classes 0..{k - 1}"
+            )
+        else:
+            ok_roles.append((where, split))
+    # The public set and the tasks draw disjointly from each source's train (n_train + n_val)
+    # and test (n_test) pools, in config order; a null size takes what is left (at least one).
+    for dataset in dict.fromkeys(s.dataset for _, s in ok_roles):
+        group = [(w, s) for w, s in ok_roles if s.dataset == dataset]
+        info = DATASET_INFO[dataset]
+        for pool, counts, what in (
+            ("train", info.train_counts, "n_train + n_val"),
+            ("test", info.test_counts, "n_test"),
+        ):
+            # A role may draw its training or test examples from the other split of the
+            # source (`train_split` / `test_split`): count what each role takes from this one.
+            def demand(s, pool=pool):
+                need = (s.n_train or 1) + s.n_val if s.train_split == pool else 0
+                return need + ((s.n_test or 1) if s.test_split == pool else 0)
+
+            members = [(w, s) for w, s in group if demand(s)]
+            out += _pool_problems(members, pool, counts, demand, what, dataset)
+    return out
+
+
+def _pool_problems(group, pool, counts, demand, what, dataset) -> list[str]:
+    """Sets of roles asking for more examples of their classes than the pool holds.
+
+    Every set of roles sharing the pool is checked (the smallest failing ones are reported):
+    k roles needing n_1..n_k examples of the union U of their classes fit only if
+    sum n_i <= |pool restricted to U|. This is necessary; whether the random draw leaves
+    enough of one class for a later role is known only when the job allocates.
+    """
+    out: list[str] = []
+    failed: list[frozenset[int]] = []
+    sizes = range(1, len(group) + 1)
+    if len(group) > _MAX_ROLES_FOR_SUBSETS:
+        sizes = [1, len(group)]
+    for r in sizes:
+        for subset in itertools.combinations(range(len(group)), r):
+            if any(f <= set(subset) for f in failed):
+                continue
+            classes = sorted({c for i in subset for c in _classes(group[i][1])})
+            have = sum(counts[c] for c in classes)
+            need = sum(demand(group[i][1]) for i in subset)
+            if need > have:
+                failed.append(frozenset(subset))
+                names = " + ".join(group[i][0] for i in subset)
+                out.append(
+                    f"{group[subset[-1]][0]}.{what.split(' ')[0]}: {names} ask for {need} "
+                    f"{pool} examples ({what}) of {dataset} classes {classes}, which has "
+                    f"{have} (they draw disjointly from one pool)"
+                )
+    return out
+
+
+# --- privacy: delta against the task sizes, epsilon the calibration can reach ----------------
+
+
+def _task_sizes(cfg: Config) -> dict[str, int]:
+    """Training examples of each task (an upper bound where n_train is null)."""
+    out = {}
+    for name, t in cfg.tasks.items():
+        if t.dataset not in DATASET_INFO:
+            continue
+        info = DATASET_INFO[t.dataset]
+        if any(c >= info.num_classes for c in t.classes or ()):
+            continue
+        counts = info.train_counts if t.train_split == "train" else info.test_counts
+        out[name] = t.n_train or sum(counts[c] for c in _classes(t)) - t.n_val
+    return out
+
+
+def _privacy_problems(cfg: Config) -> list[str]:
+    out = []
+    delta = cfg.privacy.delta
+    if not 0 < delta < 1:
+        return out
+    sizes = {n: s for n, s in _task_sizes(cfg).items() if s > 0}
+    if sizes:
+        task, n = min(sizes.items(), key=lambda kv: kv[1])
+        if delta >= 1 / n:
+            out.append(
+                f"privacy.delta: {delta:g} is not below 1/n = {1 / n:.3g} for task {task!r} "
+                f"({n} training examples): a delta of 1/n allows releasing an example outright; "
+                f"use delta << 1/n (e.g. 1.0e-5)"
+            )
+            return out
+    ft = cfg.finetune
+    grids: dict[str, dict[float, str]] = {}
+    for _, t, _, e, _ in cfg.finetune_grid():
+        grids.setdefault(t, {}).setdefault(float(e), "finetune.epsilons")
+    if "dpadapter" in cfg.sweeps.methods:  # the sweeps fine-tune DPAdapter's variants only
+        for t in cfg.sweeps.tasks or tuple(cfg.tasks):
+            grids.setdefault(t, {}).setdefault(float(cfg.sweeps.epsilon), "sweeps.epsilon")
+    for task, epsilons in grids.items():
+        n = sizes.get(task)
+        if n is None:
+            continue
+        if ft.batch_size > n:
+            out.append(
+                f"finetune.batch_size: {ft.batch_size} exceeds task {task!r}'s {n} training "
+                "examples"
+            )
+            continue
+        q = ft.batch_size / n
+        steps = ft.epochs * int(1 / q)
+        top = max_reachable_epsilon(delta, q, steps)
+        for eps in sorted(e for e in epsilons if e > top):
+            out.append(
+                f"{epsilons[eps]}: epsilon {eps:g} on task {task!r} is out of reach of the "
+                f"sigma calibration: even sigma = {SIGMA_MIN} (negligible noise) gives "
+                f"epsilon <= {top:.3g} for {ft.epochs} epochs at sample rate {q:.3g}; use an "
+                "epsilon below that"
+            )
+    return out

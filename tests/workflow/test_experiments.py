@@ -1,0 +1,90 @@
+"""Experiments are kept apart: everything a config produces lies under its results folder, and a
+changed config that would overwrite another config's results says so before any job runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from dpadapter.config import from_dict
+from dpadapter.identity import IDENTITY_FILE, OVERWRITE_ENV, check, config_hash, record, sections
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _snakemake(wd: Path, *args: str, **env_extra: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", OVERWRITE_ENV)}
+    env.update(env_extra)
+    cmd = [sys.executable, "-m", "snakemake", "--snakefile", str(REPO / "Snakefile"),
+           "--directory", str(wd), "--cores", "1", *args]  # fmt: skip
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+
+
+def test_identity_names_the_sections_that_differ(tiny_raw, tmp_path):
+    tiny_raw["results_dir"] = str(tmp_path / "res")
+    a = from_dict(tiny_raw)
+    assert check(a) is None  # nothing recorded yet
+    record(a)
+    assert check(a) is None
+    tiny_raw["finetune"]["lr"] = 0.123
+    tiny_raw["pretrain"]["methods"] = ["scratch"]
+    tiny_raw["tracking"] = {"experiment": "elsewhere"}  # where runs go, not what results are
+    tiny_raw["device"] = "cpu"  # where jobs run, likewise
+    b = from_dict(tiny_raw)
+    assert config_hash(b) != config_hash(a)
+    msg = check(b)
+    assert msg is not None
+    assert "Sections that differ: finetune, pretrain" in msg
+    assert "finetune.lr: 0.5 -> 0.123" in msg and OVERWRITE_ENV in msg and "results_dir" in msg
+    record(b)
+    stored = json.loads((tmp_path / "res" / IDENTITY_FILE).read_text())
+    assert stored["hash"] == config_hash(b) and stored["sections"] == sections(b)
+    assert [p["hash"] for p in stored["previous"]] == [config_hash(a)]
+
+
+@pytest.mark.slow
+def test_a_config_keeps_its_outputs_and_refuses_to_overwrite_another(tiny_raw, tmp_path):
+    wd = tmp_path
+    (wd / "config.yaml").write_text(yaml.safe_dump(tiny_raw))
+    # A dry run writes no identity (nor anything else the identity check needs).
+    r = _snakemake(wd, "-n", "results/warmup/model.pt")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert not (wd / "results" / IDENTITY_FILE).exists()
+
+    r = _snakemake(wd, "results/warmup/model.pt")
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = wd / "results"
+    # logs, benchmarks and the MLflow store are the config's own, under its results folder
+    assert (res / "logs" / "warmup.log").is_file()
+    assert (res / "benchmarks" / "warmup.tsv").is_file()
+    assert (res / "mlruns.db").is_file()
+    assert not any((wd / d).exists() for d in ("logs", "benchmarks", "mlruns.db"))
+    assert (res / IDENTITY_FILE).is_file()
+    model = res / "warmup" / "model.pt"
+    before = (model.stat().st_mtime_ns, model.read_bytes())
+
+    # Another config pointed at the same folder: the dry run warns, naming the section ...
+    tiny_raw["warmup"]["lr"] = 0.02
+    (wd / "config.yaml").write_text(yaml.safe_dump(tiny_raw))
+    r = _snakemake(wd, "-n", "results/warmup/model.pt")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "holds results of another config" in r.stderr and "differ: warmup" in r.stderr
+    # ... the real run refuses before any job, and the finished checkpoint is untouched ...
+    r = _snakemake(wd, "results/warmup/model.pt")
+    assert r.returncode != 0
+    assert "refusing to run" in r.stdout + r.stderr
+    assert (model.stat().st_mtime_ns, model.read_bytes()) == before
+    # ... its own results_dir keeps both ...
+    r = _snakemake(wd, "-n", "results-b/warmup/model.pt", "--config", "results_dir=results-b")
+    assert r.returncode == 0 and "another config" not in r.stderr, r.stderr[-3000:]
+    # ... and the override replaces them on purpose.
+    r = _snakemake(wd, "results/warmup/model.pt", **{OVERWRITE_ENV: "1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert model.read_bytes() != before[1]
+    assert "another config" not in _snakemake(wd, "-n", "results/warmup/model.pt").stderr

@@ -1,0 +1,80 @@
+# Empirical privacy audit (dpadapter.audit, docs/audit.md): one canary run per registered
+# algorithm (and federated-<mechanism> of audit.federated, per client) x audit.epsilons, each
+# turned into a one-run lower bound on epsilon (Steinke, Nasr & Jagielski 2023). Not part of
+# `all`: `snakemake audit` (or `make audit`) builds it.
+from dpadapter.audit.stage import audit_jobs as _audit_jobs
+from dpadapter.audit.stage import audit_problems as _audit_problems
+
+if _audit_problems(CFG):
+    raise WorkflowError("invalid config:\n" + "\n".join(f"  {p}" for p in _audit_problems(CFG)))
+
+AUDIT_RECORDS = [f"{RESULTS}/audit/{a}/eps{e:g}/audit.json" for a, e in _audit_jobs(CFG)]
+# What an audit job depends on besides its wildcards: data, tasks, privacy, the fine-tune
+# training settings it reuses, the federated section (federated-* jobs) and the audit section
+# without its grid lists.
+AUDIT_FP = fingerprint("data", "tasks", "privacy", "public", "federated") + json.dumps(
+    [
+        {k: v for k, v in config.get("finetune", {}).items() if k in
+         {"batch_size", "epochs", "lr", "momentum", "max_grad_norm", "grad_sample_mode",
+          "physical_batch_size"}},
+        {k: v for k, v in config.get("audit", {}).items() if k not in {"algorithms", "epsilons"}},
+    ],
+    sort_keys=True,
+    default=str,
+)
+
+
+rule audit_run:
+    """One audited training run: canaries in, dp_train as fine-tuning runs it, a lower bound out."""
+    output:
+        record=f"{RESULTS}/audit/{{algo}}/eps{{eps}}/audit.json",
+    params:
+        fp=lambda wc: AUDIT_FP
+        + json.dumps(config.get("finetune", {}).get("algo_params", {}).get(wc.algo, {}), sort_keys=True),
+        python=python_exe,
+        config=config_file,
+        out=lambda wc, output: str(Path(output.record).parent),
+    log:
+        f"{RESULTS}/logs/audit/{{algo}}/eps{{eps}}.log",
+    benchmark:
+        f"{RESULTS}/benchmarks/audit/{{algo}}/eps{{eps}}.tsv"
+    conda:
+        "../../envs/pipeline.yaml"
+    threads: 1
+    resources:
+        gpu=0,  # a logistic regression: the CPU is faster than a transfer
+        mem_mb=2000,
+        runtime=30,
+    shell:
+        "DPADAPTER_THREADS={threads} {params.python} -m dpadapter --config {params.config} "
+        "audit run --algo {wildcards.algo} --eps {wildcards.eps} --out {params.out} > {log} 2>&1"
+
+
+rule audit_summary:
+    """audit.csv, audit.md and the lower-bound-vs-claim figure."""
+    input:
+        AUDIT_RECORDS,
+    output:
+        csv=f"{RESULTS}/summary/audit.csv",
+        md=f"{RESULTS}/summary/audit.md",
+        fig=f"{RESULTS}/figures/audit_lower_bound.png",
+    params:
+        python=python_exe,
+        config=config_file,
+    log:
+        f"{RESULTS}/logs/audit_summary.log",
+    conda:
+        "../../envs/pipeline.yaml"
+    resources:
+        gpu=0,
+        mem_mb=1000,
+        runtime=10,
+    shell:
+        "{params.python} -m dpadapter --config {params.config} audit summary "
+        "--records {input} --csv {output.csv} --md {output.md} --fig {output.fig} > {log} 2>&1"
+
+
+rule audit:
+    """Target: every algorithm x epsilon audited, and the table (not part of `all`)."""
+    input:
+        rules.audit_summary.output,

@@ -1,0 +1,27 @@
+# One page of findings (src/dpadapter/stages/validity.py; docs/validity.md): each paper's claim
+# with the paper's number, ours with its spread, the setting, and whether it holds. Not part of
+# `all`: `make validity` runs what it needs (the main grid, the HPO, the federated grid).
+
+
+rule validity:
+    """results/summary/validity.md from the HPO, federated and fine-tuning summaries."""
+    input:
+        hpo=f"{RESULTS}/summary/hpo.json",
+        rule=f"{RESULTS}/summary/federated_rule.json",
+        finetune=f"{RESULTS}/summary/finetune.csv",
+    output:
+        md=f"{RESULTS}/summary/validity.md",
+    params:
+        python=python_exe,
+        config=config_file,
+    log:
+        f"{RESULTS}/logs/validity.log",
+    conda:
+        "../../envs/pipeline.yaml"
+    resources:
+        gpu=0,
+        mem_mb=1000,
+        runtime=5,
+    shell:
+        "{params.python} -m dpadapter --config {params.config} validity --hpo {input.hpo} "
+        "--federated-rule {input.rule} --finetune {input.finetune} --out {output.md} > {log} 2>&1"
