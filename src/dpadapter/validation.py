@@ -72,6 +72,7 @@ def validate(raw: dict[str, Any], check_files: bool = False) -> Config:
     problems += _data_problems(cfg)
     problems += _privacy_problems(cfg)
     problems += _reference_problems(cfg)
+    problems += _audit_problems(cfg)
     if check_files:
         problems += file_problems(cfg)
     if problems:
@@ -246,6 +247,12 @@ def _federated_problems(cfg: Config) -> list[str]:
 
 
 # --- data: class ids, split sizes (from the registry's declared counts, nothing loaded) ------
+
+
+def _audit_problems(cfg: Config) -> list[str]:
+    from dpadapter.audit.stage import audit_problems  # the audit's own cross-field checks
+
+    return audit_problems(cfg)
 
 
 def _reference_problems(cfg: Config) -> list[str]:

@@ -329,3 +329,30 @@ def test_build_copies_the_warmup_model_and_logs_each_epoch():
 def test_relative_step_cost():
     assert relative_step_cost(5000, 50) == 101
     assert relative_step_cost(1000, 50, refresh_every=10) == 3
+
+
+def test_b1_chunk_halves_on_out_of_memory_and_gives_the_same_gradient(monkeypatch):
+    """On a GPU the B1 gradient's chunk adapts to memory; the gradient does not change."""
+    import dpadapter.upstream.sam as sam_mod
+
+    data = indexed_data(64)
+    warm = small_model()
+    method = UPSTREAMS["dpadapter"](
+        {"m1": 64, "m2": 16, "chunk_size": 64, "epochs": 1, "max_steps": 1, "lr": 0.0}
+    )
+    ref = method.make_step(data, 0)
+    ref_grads, _ = ref._gradient(warm, *data.tensors, None)
+    real = sam_mod.batch_gradient
+
+    def tight_memory(model, x, y, chunk_size, index=None):
+        if chunk_size > 16:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real(model, x, y, chunk_size, index=index)
+
+    monkeypatch.setattr(sam_mod, "batch_gradient", tight_memory)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    step = method.make_step(data, 0)
+    grads, _ = step._gradient(warm, *data.tensors, None)
+    assert step.chunk_size == 16
+    for a, b in zip(grads, ref_grads, strict=True):
+        assert torch.allclose(a, b, atol=1e-6)

@@ -2,11 +2,8 @@
 # algorithm (and federated-<mechanism> of audit.federated, per client) x audit.epsilons, each
 # turned into a one-run lower bound on epsilon (Steinke, Nasr & Jagielski 2023). Not part of
 # `all`: `snakemake audit` (or `make audit`) builds it.
+# The audit section is validated with the rest of the config (dpadapter.validation).
 from dpadapter.audit.stage import audit_jobs as _audit_jobs
-from dpadapter.audit.stage import audit_problems as _audit_problems
-
-if _audit_problems(CFG):
-    raise WorkflowError("invalid config:\n" + "\n".join(f"  {p}" for p in _audit_problems(CFG)))
 
 AUDIT_RECORDS = [f"{RESULTS}/audit/{a}/eps{e:g}/audit.json" for a, e in _audit_jobs(CFG)]
 # What an audit job depends on besides its wildcards: data, tasks, privacy, the fine-tune

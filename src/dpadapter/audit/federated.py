@@ -33,8 +33,8 @@ from dpadapter.config import Config
 from dpadapter.data import build_splits
 from dpadapter.federated.mechanisms import GAUSSIAN, LAPLACE
 from dpadapter.federated.partition import dirichlet_partition
-from dpadapter.federated.simulation import Client, Federation, MechanismRun
-from dpadapter.federated.stage import plan_noise
+from dpadapter.federated.simulation import Client, Federation
+from dpadapter.federated.stage import mechanism_run, plan_noise
 from dpadapter.strategies import get_strategy
 
 
@@ -79,18 +79,9 @@ def audit_federated_run(cfg: Config, mechanism: str, eps: float) -> dict:
     x0 = torch.cat([xs[idx0], xc])
     y0 = torch.cat([y[idx0], canaries.labels[slots]])
     perm = torch.randperm(len(y0), generator=torch.Generator().manual_seed(a.seed + 99))
-    mc = fed.mechanism(mechanism)
     releases = fed.rounds * fed.local_steps
     sigma, _, _ = plan_noise(cfg, mechanism, eps, releases, False)
-    mech = MechanismRun(
-        name=mechanism,
-        max_grad_norm=mc.max_grad_norm,
-        noise_multiplier=sigma,
-        sample_rate=mc.sample_rate if mechanism == GAUSSIAN else 1.0,
-        lr=mc.lr,
-        delta=cfg.privacy.delta if mechanism == GAUSSIAN else 0.0,
-        accountant=cfg.privacy.accountant,
-    )
+    mech = mechanism_run(cfg, mechanism, sigma)
     public_size = len(idx0) + (m // 2 if mechanism == GAUSSIAN else m)
     clients = [
         FixedSizeClient(0, TensorDataset(x0[perm], y0[perm]), mech, a.seed, public_size=public_size)

@@ -97,6 +97,20 @@ def plan_noise(cfg: Config, mechanism: str, eps: float, releases: int, with_rule
     return laplace_noise_multiplier(eps - eps_e, releases), (eps_e / m or None), eps_e
 
 
+def mechanism_run(cfg: Config, mechanism: str, noise_multiplier: float) -> MechanismRun:
+    """The clients' mechanism as configured: Gaussian with Poisson rate q, Laplace on all data."""
+    mc = cfg.federated.mechanism(mechanism)
+    return MechanismRun(
+        name=mechanism,
+        max_grad_norm=mc.max_grad_norm,
+        noise_multiplier=noise_multiplier,
+        sample_rate=mc.sample_rate if mechanism == GAUSSIAN else 1.0,
+        lr=mc.lr,
+        delta=cfg.privacy.delta if mechanism == GAUSSIAN else 0.0,
+        accountant=cfg.privacy.accountant,
+    )
+
+
 def estimate_points(rounds: int, m: int) -> list[int]:
     """Rounds (0-based, before the round runs) at which the constants are estimated: 0 and
     m - 1 more, evenly spaced over the first half of training (UT is in HT until the last)."""
@@ -193,15 +207,7 @@ def run(
     releases = rounds * fed.local_steps
     with_rule = strategy == "ut" and fed.ut_t1 == "rule"
     noise_multiplier, est_noise, eps_e = plan_noise(cfg, mechanism, eps, releases, with_rule)
-    mech = MechanismRun(
-        name=mechanism,
-        max_grad_norm=mc.max_grad_norm,
-        noise_multiplier=noise_multiplier,
-        sample_rate=mc.sample_rate if mechanism == GAUSSIAN else 1.0,
-        lr=mc.lr,
-        delta=cfg.privacy.delta if mechanism == GAUSSIAN else 0.0,
-        accountant=cfg.privacy.accountant,
-    )
+    mech = mechanism_run(cfg, mechanism, noise_multiplier)
     clients = [
         Client(i, TensorDataset(x[idx.to(x.device)], y[idx.to(y.device)]), mech, seed, dev)
         for i, idx in enumerate(parts)

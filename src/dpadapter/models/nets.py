@@ -21,6 +21,15 @@ class _HeadMixin:
         self.head = nn.Linear(self.head.in_features, num_classes)
 
 
+def gn_stem(in_chans: int, width: int, groups: int) -> nn.Module:
+    """3x3 stride-1 conv + GroupNorm + ReLU: the CIFAR-style stem of the GroupNorm ResNets."""
+    return nn.Sequential(
+        nn.Conv2d(in_chans, width, 3, 1, 1, bias=False),
+        nn.GroupNorm(min(groups, width), width),
+        nn.ReLU(),
+    )
+
+
 class BasicBlock(nn.Module):
     def __init__(self, c_in: int, c_out: int, stride: int, groups: int):
         super().__init__()
@@ -47,11 +56,7 @@ class ResNet20GN(_HeadMixin, nn.Module):
     def __init__(self, num_classes: int, in_chans: int = 3, groups: int = 16, width: int = 16):
         super().__init__()
         widths = (width, 2 * width, 4 * width)
-        self.stem = nn.Sequential(
-            nn.Conv2d(in_chans, widths[0], 3, 1, 1, bias=False),
-            nn.GroupNorm(min(groups, widths[0]), widths[0]),
-            nn.ReLU(),
-        )
+        self.stem = gn_stem(in_chans, widths[0], groups)
         layers, c = [], widths[0]
         for i, w in enumerate(widths):
             for j in range(3):

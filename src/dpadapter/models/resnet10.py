@@ -13,18 +13,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dpadapter.models.nets import BasicBlock, _HeadMixin
+from dpadapter.models.nets import BasicBlock, _HeadMixin, gn_stem
 
 
 class GNResNet10(_HeadMixin, nn.Module):
     def __init__(self, num_classes: int, in_chans: int = 1, groups: int = 16, width: int = 64):
         super().__init__()
         widths = (width, 2 * width, 4 * width, 8 * width)
-        self.stem = nn.Sequential(
-            nn.Conv2d(in_chans, widths[0], 3, 1, 1, bias=False),
-            nn.GroupNorm(min(groups, widths[0]), widths[0]),
-            nn.ReLU(),
-        )
+        self.stem = gn_stem(in_chans, widths[0], groups)
         blocks, c = [], widths[0]
         for i, w in enumerate(widths):
             blocks.append(BasicBlock(c, w, 1 if i == 0 else 2, groups))

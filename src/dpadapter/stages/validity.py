@@ -104,9 +104,10 @@ def _vs_paper(ci: dict) -> str:
 def t1_section(path: Path | None) -> list[str]:
     out = ["## 2. The T₁ rule (Pretrain-DPFL, Theorems 2–3)", ""]
     out.append(
-        "- **Paper**: the rule (T₁ = T, i.e. HT, when E₁ < E₂, else FT) picks the better "
-        "strategy; 'the predicted strategy remains correct across T' (Sec. 5, Fig. 3), under "
-        "the theorems' step-size assumption η < 1/(2L)."
+        "- **Paper**: the rule picks the better strategy; 'the predicted strategy remains "
+        "correct across T' (Sec. 5, Fig. 3), under the theorems' step-size assumption "
+        "η < 1/(2L). Read as minimising the bound: T₁ = T (HT) when E₁ < E₂, else FT (the "
+        "sentence after Theorem 2 states the opposite assignment; federated/estimate.py)."
     )
     if path is None or not Path(path).is_file():
         return out + ["- **Ours**: not run — `make federated`.", ""]

@@ -240,6 +240,24 @@ class PerturbedStep:
         self.last_b1: torch.Tensor | None = None
         self.stats = _EpochStats()
 
+    def _gradient(self, model: nn.Module, x, y, index) -> tuple[list[torch.Tensor], float]:
+        """The B1 gradient in chunks of at most `chunk_size`, halved on a GPU out-of-memory.
+
+        `chunk_size` is an upper bound: on a GPU that cannot hold a chunk's activations the
+        chunk halves until it fits, and stays at that size for the rest of the run. The
+        gradient is the same whatever the chunk (the loss is a sum over chunks).
+        """
+        while True:
+            try:
+                return batch_gradient(model, x, y, self.chunk_size, index=index)
+            except torch.OutOfMemoryError:
+                if self.chunk_size <= 1:
+                    raise
+                self.chunk_size = max(1, self.chunk_size // 2)
+                model.zero_grad(set_to_none=True)
+                torch.cuda.empty_cache()
+                print(f"B1 gradient: out of GPU memory, chunk_size -> {self.chunk_size}")
+
     def _perturbation(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
         s = self.stats
         s.refreshes += 1
@@ -251,12 +269,10 @@ class PerturbedStep:
             return
         if self.sampler is None:
             self.last_b1 = None
-            grads, loss = batch_gradient(model, x, y, self.chunk_size)
+            grads, loss = self._gradient(model, x, y, None)
         else:
             self.last_b1 = self.sampler.draw()
-            grads, loss = batch_gradient(
-                model, self.x_all, self.y_all, self.chunk_size, index=self.last_b1
-            )
+            grads, loss = self._gradient(model, self.x_all, self.y_all, self.last_b1)
         delta, raw, binding = cap_to_ball([self.eta1 * g for g in grads], self.gamma)
         self.last_delta = delta
         s.binding += int(binding)
