@@ -28,7 +28,8 @@ from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
-from opacus.utils.batch_memory_manager import BatchSplittingSampler
+from opacus.data_loader import DPDataLoader
+from opacus.utils.batch_memory_manager import BatchSplittingSampler, wrap_data_loader
 from opacus.utils.uniform_sampler import UniformWithReplacementSampler
 from torch.utils.data import BatchSampler, RandomSampler, TensorDataset
 
@@ -96,6 +97,9 @@ class PoissonBatches:
         return len(self.poisson)
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        if not self.pad and self.x.device.type == "cpu" and self.device.type == "cpu":
+            yield from self._cpu_loader()
+            return
         # A DataLoader's iterator draws its workers' base seed from the same generator before
         # the first batch; drawing it too keeps the batches of runs made with DPDataLoader.
         torch.empty((), dtype=torch.int64).random_(generator=self.poisson.generator)
@@ -107,6 +111,24 @@ class PoissonBatches:
             if self.pad:
                 x, y = self._padded(x, y)
             yield x, y
+
+    def _cpu_loader(self):
+        """CPU, unpadded: Opacus' own DPDataLoader (+ batch splitting), exactly as before.
+
+        Runs made before these samplers existed used the loader; on the CPU it is kept, so they
+        reproduce bit for bit (the gathered path drifted by 0.09 in weights after 20 warm-up
+        steps in a comparison with the old code: not explained yet, so not risked on the CPU).
+        """
+        dl = DPDataLoader(
+            TensorDataset(self.x, self.y),
+            sample_rate=self.poisson.sample_rate,
+            generator=self.poisson.generator,
+        )
+        if self.max_physical is None:
+            return dl
+        return wrap_data_loader(
+            data_loader=dl, max_batch_size=self.max_physical, optimizer=self.optimizer
+        )
 
     def _padded(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         n = len(y)

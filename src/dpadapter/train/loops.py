@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
-from torch.utils.data import TensorDataset
+from torch.utils.data import DataLoader, TensorDataset
 from tqdm.auto import tqdm
 
 from dpadapter import device as devices
@@ -125,7 +125,12 @@ def sgd_train(
     line on stderr (`dpadapter.train.progress`).
     """
     g = torch.Generator().manual_seed(seed)
-    loader = ShuffledBatches(data, cfg.batch_size, g, model_device(model))
+    dev = model_device(model)
+    if dev.type == "cpu" and data.tensors[0].device.type == "cpu":
+        # The CPU path keeps the DataLoader it always had: runs reproduce bit for bit.
+        loader = DataLoader(data, batch_size=cfg.batch_size, shuffle=True, generator=g)
+    else:
+        loader = ShuffledBatches(data, cfg.batch_size, g, dev)
     per_step = cfg.schedule_unit == "steps"
     if per_step:
         if cfg.max_steps is None:
