@@ -27,7 +27,7 @@ from dpadapter.models import replace_head
 from dpadapter.privacy import PrivacyLedger
 from dpadapter.stages.job import seed_everything, training_job
 from dpadapter.strategies import Schedule, apply_phase, get_strategy, released_dims
-from dpadapter.train.batching import PAD_LABEL, PoissonBatches, masked_cross_entropy, padded_size
+from dpadapter.train.batching import PAD_LABEL, dp_batches, masked_cross_entropy, padded_size
 from dpadapter.train.checkpoint import load_model, save_model
 from dpadapter.train.loops import evaluate, progress, robust_accuracy
 from dpadapter.train.progress import ProgressLine
@@ -132,7 +132,7 @@ def dp_train(
     optimizer = algo.make_optimizer(base_opt)
     sample_gen = torch.Generator().manual_seed(20_000 + seed)
     pad = padding(cfg, dev, spec)
-    loader = PoissonBatches(
+    loader = dp_batches(
         train,
         spec.sample_rate,
         sample_gen,

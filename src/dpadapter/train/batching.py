@@ -97,9 +97,6 @@ class PoissonBatches:
         return len(self.poisson)
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        if not self.pad and self.x.device.type == "cpu" and self.device.type == "cpu":
-            yield from self._cpu_loader()
-            return
         # A DataLoader's iterator draws its workers' base seed from the same generator before
         # the first batch; drawing it too keeps the batches of runs made with DPDataLoader.
         torch.empty((), dtype=torch.int64).random_(generator=self.poisson.generator)
@@ -111,24 +108,6 @@ class PoissonBatches:
             if self.pad:
                 x, y = self._padded(x, y)
             yield x, y
-
-    def _cpu_loader(self):
-        """CPU, unpadded: Opacus' own DPDataLoader (+ batch splitting), exactly as before.
-
-        Runs made before these samplers existed used the loader; on the CPU it is kept, so they
-        reproduce bit for bit (the gathered path drifted by 0.09 in weights after 20 warm-up
-        steps in a comparison with the old code: not explained yet, so not risked on the CPU).
-        """
-        dl = DPDataLoader(
-            TensorDataset(self.x, self.y),
-            sample_rate=self.poisson.sample_rate,
-            generator=self.poisson.generator,
-        )
-        if self.max_physical is None:
-            return dl
-        return wrap_data_loader(
-            data_loader=dl, max_batch_size=self.max_physical, optimizer=self.optimizer
-        )
 
     def _padded(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         n = len(y)
@@ -170,3 +149,26 @@ class ShuffledBatches:
             if self.x.device.type != "cpu":
                 rows = rows.to(self.x.device)
             yield to(self.x[rows], self.device), to(self.y[rows], self.device)
+
+
+def dp_batches(
+    data: TensorDataset,
+    sample_rate: float,
+    generator: torch.Generator,
+    device: torch.device,
+    max_physical: int | None = None,
+    pad: bool = False,
+    optimizer=None,
+):
+    """The DP loop's batches: on the CPU without padding, Opacus' own DPDataLoader (split into
+    physical batches by Opacus' `wrap_data_loader`, what BatchMemoryManager does), exactly the
+    loader runs made before GPU support used, so they reproduce bit for bit; otherwise
+    `PoissonBatches` (the same index stream, gathered on the device, padded when asked)."""
+    if not pad and device.type == "cpu" and data.tensors[0].device.type == "cpu":
+        loader = DPDataLoader(data, sample_rate=sample_rate, generator=generator)
+        if max_physical is None:
+            return loader
+        return wrap_data_loader(
+            data_loader=loader, max_batch_size=max_physical, optimizer=optimizer
+        )
+    return PoissonBatches(data, sample_rate, generator, device, max_physical, pad, optimizer)
