@@ -141,7 +141,8 @@ def dp_train(
         pad=pad is not None,
         optimizer=optimizer,
     )
-    assert len(loader) == spec.steps_per_epoch, (len(loader), spec.steps_per_epoch)
+    releases = getattr(loader, "logical_batches", len(loader))
+    assert releases == spec.steps_per_epoch, (releases, spec.steps_per_epoch)
     first_epoch = 0
     if resume is not None:
         model.load_state_dict(resume["model"])

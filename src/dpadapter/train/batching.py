@@ -168,7 +168,9 @@ def dp_batches(
         loader = DPDataLoader(data, sample_rate=sample_rate, generator=generator)
         if max_physical is None:
             return loader
-        return wrap_data_loader(
+        split = wrap_data_loader(
             data_loader=loader, max_batch_size=max_physical, optimizer=optimizer
         )
+        split.logical_batches = len(loader)  # len(split) counts physical batches
+        return split
     return PoissonBatches(data, sample_rate, generator, device, max_physical, pad, optimizer)
