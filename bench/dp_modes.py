@@ -12,7 +12,11 @@ batch 2048, the embedded CNN `cnn-gn` width 16 batch 200) and each mode:
                gradient *norms* in a first backward (ghost norms for Linear/Embedding, per-sample
                gradients then their norms elsewhere), the clipped sum from a second, reweighted
                backward; per-sample gradients are never stored;
-- `fgc`:       the same without ghost norms (per-sample gradient norms of every layer).
+- `fgc`:       the same without ghost norms (per-sample gradient norms of every layer);
+- `bk`:        the pipeline's book-keeping path (`finetune.grad_sample_mode: bk`,
+               dpadapter.privacy.bookkeeping): one backward without the weights' unclipped
+               gradients, per-layer norms by ghost norm or per-example gradient (whichever is
+               cheaper), the clipped sum as one weight-gradient kernel per layer.
 
 A DP step is one logical batch: its physical batches each forward/backward and clip-accumulate,
 then the noise and the update. The non-private step goes through the same physical batches and
@@ -56,11 +60,12 @@ from torch import nn
 import dpadapter  # noqa: F401  (torchvision compatibility shim before any model import)
 from dpadapter.config import ModelConfig
 from dpadapter.models import create_model
+from dpadapter.train.per_sample import bind_optimizer, wrap_for_dp
 
 # Opacus' hooks on a first layer whose input needs no gradient; harmless and the same every step.
 warnings.filterwarnings("ignore", message="Full backward hook is firing")
 
-DP_MODES = ("hooks", "functorch", "ew", "ghost", "fgc")
+DP_MODES = ("hooks", "functorch", "ew", "ghost", "fgc", "bk")
 
 
 @dataclass(frozen=True)
@@ -108,6 +113,9 @@ class Runner:
                 use_ghost_clipping=mode == "ghost",
             )
             opt_cls = DPOptimizerFastGradientClipping
+        elif mode == "bk":
+            self.model = wrap_for_dp(model, "bk")
+            opt_cls = DPOptimizer
         else:
             self.model = wrap_model(
                 model, grad_sample_mode=mode, batch_first=True, loss_reduction="mean"
@@ -120,6 +128,7 @@ class Runner:
             expected_batch_size=batch,
             loss_reduction="mean",
         )
+        self.opt = bind_optimizer(self.opt, self.model)
         if mode in ("ghost", "fgc"):
             self.loss_fn = DPLossFastGradientClipping(self.model, self.opt, ce, "mean")
 

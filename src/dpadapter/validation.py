@@ -21,10 +21,11 @@ from dpadapter.algorithms import ALGORITHMS
 from dpadapter.config import Config, ConfigError, SplitConfig, base_schema, read_raw, validate_raw
 from dpadapter.config import from_dict as _parse
 from dpadapter.data import DATASET_INFO, missing_files
-from dpadapter.models import MODEL_NAMES
+from dpadapter.models import MODEL_NAMES, create_model
 from dpadapter.param_schema import param_errors
 from dpadapter.privacy import max_reachable_epsilon
 from dpadapter.privacy.accounting import SIGMA_MIN
+from dpadapter.privacy.bookkeeping import unsupported_trainable
 from dpadapter.upstream import UPSTREAMS
 from dpadapter.upstream.variants import format_variant, parse_variant
 
@@ -173,6 +174,8 @@ def _name_problems(cfg: Config) -> list[str]:
             f"model.name: unknown model {cfg.model.name!r}; "
             f"known: {sorted(MODEL_NAMES)} or 'timm:<name>'"
         )
+    elif cfg.finetune.grad_sample_mode == "bk" and cfg.model.name in MODEL_NAMES:
+        problems += _bookkeeping_problems(cfg)
     if not 0 < cfg.privacy.delta < 1:
         problems.append("privacy.delta: must be in (0, 1)")
     for i, name in enumerate(cfg.sweeps.methods):
@@ -191,6 +194,20 @@ def _name_problems(cfg: Config) -> list[str]:
     if cfg.sweeps.algorithm not in ALGORITHMS:
         problems.append(f"sweeps.algorithm: unknown algorithm {cfg.sweeps.algorithm!r}")
     return list(dict.fromkeys(problems))
+
+
+def _bookkeeping_problems(cfg: Config) -> list[str]:
+    """bk clips Linear/Conv2d/GroupNorm/LayerNorm only: refuse other trained layers now.
+
+    (A timm backbone is checked when its job builds it; building it here could download.)
+    """
+    bad = unsupported_trainable(create_model(cfg.model, 2, 1, seed=0), trainable_only=False)
+    if not bad:
+        return []
+    return [
+        f"finetune.grad_sample_mode: 'bk' cannot clip the parameters of {', '.join(bad)} "
+        f"in model {cfg.model.name!r}; use hooks, functorch or ew"
+    ]
 
 
 def _hpo_problems(cfg: Config) -> list[str]:

@@ -15,7 +15,6 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
-from opacus.grad_sample.utils import wrap_model
 from opacus.optimizers import DPOptimizer
 from torch import nn
 from torch.utils.data import TensorDataset
@@ -24,6 +23,7 @@ from dpadapter.algorithms import ALGORITHMS, DPAlgorithm, DPRunSpec
 from dpadapter.config import ModelConfig
 from dpadapter.models import create_model
 from dpadapter.privacy import PrivacyLedger
+from dpadapter.train.per_sample import bind_optimizer, wrap_for_dp
 
 LOSS = nn.functional.cross_entropy
 NUM_CLASSES = 5
@@ -105,9 +105,9 @@ def build(
         assert public is not None, f"{cls.name} needs public data"
         a.set_public_data(public)
     model = (tiny_model() if model is None else model).to(dtype)
-    gsm = wrap_model(model, grad_sample_mode=mode, batch_first=True, loss_reduction="mean")
+    gsm = wrap_for_dp(model, mode, cls.needs_per_sample_gradients)
     base_opt = torch.optim.SGD(gsm.parameters(), lr=lr, momentum=momentum)
-    opt = a.make_optimizer(base_opt)
+    opt = bind_optimizer(a.make_optimizer(base_opt), gsm)
     if audit:
         a.audit = []
     a.start_epoch(0)

@@ -73,15 +73,22 @@ class CentredAdaClipOptimizer(AdaClipDPOptimizer):
         n = len(samples[0])
         if n:
             norms = torch.stack([g.reshape(n, -1).norm(2, dim=-1) for g in samples], dim=1)
-            factor = (self.max_grad_norm / (norms.norm(2, dim=1) + 1e-6)).clamp(max=1.0)
-            unclipped = factor >= 1
-            valid = getattr(self, "valid_rows", None)  # padded rows are not examples
-            if valid is not None:
-                unclipped = unclipped & valid
-                n = int(valid.sum())
-            self.unclipped_num = self.unclipped_num + unclipped.sum()
-            self.sample_size += n
+            self.observe_norms(norms.norm(2, dim=1))
         DPOptimizer.clip_and_accumulate(self)
+
+    def observe_norms(self, norms: torch.Tensor) -> None:
+        """Count the examples the clip leaves alone (book-keeping clipping calls this too)."""
+        n = len(norms)
+        if not n:
+            return
+        factor = (self.max_grad_norm / (norms + 1e-6)).clamp(max=1.0)
+        unclipped = factor >= 1
+        valid = getattr(self, "valid_rows", None)  # padded rows are not examples
+        if valid is not None:
+            unclipped = unclipped & valid
+            n = int(valid.sum())
+        self.unclipped_num = self.unclipped_num + unclipped.sum()
+        self.sample_size += n
 
     def add_noise(self) -> None:
         centred = float(self.unclipped_num) - self.sample_size / 2

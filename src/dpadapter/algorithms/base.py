@@ -117,6 +117,9 @@ class DPAlgorithm:
     releases_per_step: ClassVar[int] = 1
     # Whether `set_public_data` must be called before `make_optimizer` (GEP's anchors).
     needs_public_data: ClassVar[bool] = False
+    # Whether the algorithm reads per-example gradients itself (not only Opacus' clipped sum):
+    # `grad_sample_mode: bk` then runs Opacus' hooks (dpadapter.train.per_sample).
+    needs_per_sample_gradients: ClassVar[bool] = False
 
     # JSON schema of `finetune.algo_params.<name>`: the config validation refuses a typo or a
     # wrong type before any job, and the constructor checks it again.
@@ -137,6 +140,9 @@ class DPAlgorithm:
         self.audit: list[AuditedStep] | None = None
         self._pending_releases: list[Release] = []
         self._logical_batch_open = False
+        # Set by the stage that trains it: the per-sample mode that ran, and bk's layer plan.
+        self.grad_sample_mode: str | None = None
+        self.clipping_plan: dict[str, str] = {}
 
     @classmethod
     def default_params(cls) -> dict[str, Any]:

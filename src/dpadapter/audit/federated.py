@@ -24,7 +24,6 @@ from __future__ import annotations
 import time
 
 import torch
-from opacus.grad_sample.utils import wrap_model
 from torch import nn
 from torch.utils.data import TensorDataset
 
@@ -36,6 +35,7 @@ from dpadapter.federated.partition import dirichlet_partition
 from dpadapter.federated.simulation import Client, Federation
 from dpadapter.federated.stage import mechanism_run, plan_noise
 from dpadapter.strategies import get_strategy
+from dpadapter.train.per_sample import wrap_for_dp
 
 
 class FixedSizeClient(Client):
@@ -96,10 +96,7 @@ def audit_federated_run(cfg: Config, mechanism: str, eps: float) -> dict:
     nn.init.zeros_(model.weight)
     nn.init.zeros_(model.bias)
     w0 = model.weight.detach().clone()
-    gsm = wrap_model(
-        model, grad_sample_mode=cfg.finetune.grad_sample_mode, batch_first=True,
-        loss_reduction="mean",
-    )  # fmt: skip
+    gsm = wrap_for_dp(model, cfg.finetune.grad_sample_mode, needs_per_sample_gradients=True)
     gsm.train()
     Federation(gsm, clients, get_strategy("ft").schedule(fed.rounds), fed.local_steps).run()
     if hasattr(gsm, "_close"):

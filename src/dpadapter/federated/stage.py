@@ -13,7 +13,6 @@ import math
 from pathlib import Path
 
 import torch
-from opacus.grad_sample.utils import wrap_model
 from torch.utils.data import TensorDataset
 
 from dpadapter import device as devices
@@ -46,6 +45,7 @@ from dpadapter.stages.job import seed_everything, training_job
 from dpadapter.strategies import FT, apply_phase, get_strategy, released_dims
 from dpadapter.train.checkpoint import load_model
 from dpadapter.train.loops import evaluate
+from dpadapter.train.per_sample import wrap_for_dp
 from dpadapter.train.progress import ProgressLine
 
 STRATEGY_NAMES = ("scratch", "ht", "ft", "ut")
@@ -212,12 +212,8 @@ def run(
         Client(i, TensorDataset(x[idx.to(x.device)], y[idx.to(y.device)]), mech, seed, dev)
         for i, idx in enumerate(parts)
     ]
-    gsm = wrap_model(
-        model,
-        grad_sample_mode=cfg.finetune.grad_sample_mode,
-        batch_first=True,
-        loss_reduction="mean",
-    )
+    # The clients' statistics (Laplace constants) read per-example gradients: bk runs hooks.
+    gsm = wrap_for_dp(model, cfg.finetune.grad_sample_mode, needs_per_sample_gradients=True)
     gsm.train()
 
     wildcards = {

@@ -15,7 +15,6 @@ import os
 from pathlib import Path
 
 import torch
-from opacus.grad_sample.utils import wrap_model
 from opacus.validators import ModuleValidator
 from torch import nn
 
@@ -30,6 +29,7 @@ from dpadapter.strategies import Schedule, apply_phase, get_strategy, released_d
 from dpadapter.train.batching import PAD_LABEL, dp_batches, masked_cross_entropy, padded_size
 from dpadapter.train.checkpoint import load_model, save_model
 from dpadapter.train.loops import evaluate, progress, robust_accuracy
+from dpadapter.train.per_sample import bind_optimizer, effective_mode, wrap_for_dp
 from dpadapter.train.progress import ProgressLine
 
 
@@ -122,14 +122,11 @@ def dp_train(
         if public is None:
             public = build_splits(cfg, ["public"])[1]["public"].train
         algo.set_public_data(public)
-    gsm = wrap_model(
-        model,
-        grad_sample_mode=cfg.finetune.grad_sample_mode,
-        batch_first=True,
-        loss_reduction="mean",
-    )
+    needs_samples = algo.needs_per_sample_gradients
+    gsm = wrap_for_dp(model, cfg.finetune.grad_sample_mode, needs_samples)
+    algo.grad_sample_mode = effective_mode(cfg.finetune.grad_sample_mode, needs_samples)
     base_opt = torch.optim.SGD(gsm.parameters(), lr=cfg.finetune.lr, momentum=cfg.finetune.momentum)
-    optimizer = algo.make_optimizer(base_opt)
+    optimizer = bind_optimizer(algo.make_optimizer(base_opt), gsm)
     sample_gen = torch.Generator().manual_seed(20_000 + seed)
     pad = padding(cfg, dev, spec)
     loader = dp_batches(
@@ -202,6 +199,7 @@ def dp_train(
                     "torch_rng": devices.rng_state(dev),
                 }
             )
+    algo.clipping_plan = dict(getattr(gsm, "last_plan", {}))
     if hasattr(gsm, "_close"):
         gsm._close()  # drop the per-sample hooks; evaluation uses the plain module
     return algo, ledger
@@ -320,6 +318,7 @@ def run(
             "expected_batch_size": spec.expected_batch_size,
             "max_grad_norm": spec.max_grad_norm,
             "grad_sample_mode": cfg.finetune.grad_sample_mode,
+            "grad_sample_mode_run": algo.grad_sample_mode,
             "physical_batch_size": cfg.finetune.physical_batch_size,
             "seed": seed,
             "n_train": len(data.train),
@@ -336,6 +335,8 @@ def run(
                 ),
                 "robustness": {"noise_std": r.noise_std, "draws": r.draws, "seed": r.seed},
                 "hyperparameters": hyper,
+                # bk only: how each layer's per-example norms were computed (ghost/per-example)
+                "clipping_plan": algo.clipping_plan or None,
                 "privacy": {
                     "mechanism": "gaussian",
                     "accountant": spec.accountant,

@@ -1,0 +1,456 @@
+"""Book-keeping per-sample clipping (`finetune.grad_sample_mode: bk`), written by hand.
+
+Why by hand: Opacus 1.6 either stores every per-sample gradient (hooks, functorch, expanded
+weights) or, in fast gradient clipping, pays a second backward pass for the clipped sum, and it
+has ghost norms only for Linear and Embedding layers. The book-keeping method of Bu et al.
+(2023, "Differentially private optimization on large model at small cost") needs one backward:
+
+1. Forward with hooks that keep each trainable layer's input `a`; one backward that computes
+   the loss gradient `g` at every trainable layer's output but not the weights' (unclipped)
+   gradients, which DP never uses: a layer whose input already requires grad has its weights'
+   `requires_grad` switched off for the forward, so autograd skips their gradient kernels.
+   The first trainable layer (its input needs no gradient) keeps its weights on; autograd's
+   unclipped gradient there costs what the input gradient would, and Opacus' noise step
+   overwrites `p.grad` anyway.
+2. Per-example gradient norms from (a, g), layer by layer, by whichever is cheaper (mixed ghost
+   clipping): the ghost norm `sum_ts (a_t . a_s)(g_t . g_s)` costs T^2 (d + p) per example for
+   T positions, d inputs and p outputs; the per-example gradient `g^T a` costs T d p and is
+   freed as soon as its norm is taken. A Linear layer on flat inputs has the exact product
+   `|g| |a|`; GroupNorm/LayerNorm per-example gradients are small (one value per channel).
+3. The clipped sum `sum_i c_i g_i^T a_i` as one weight-gradient kernel per layer on the clip-
+   weighted output gradients (`convolution_backward` for Conv2d, a matrix product for Linear):
+   per-example gradients are never stored for the whole model.
+
+The result is Opacus' `clip_and_accumulate` to float tolerance (tests/privacy/
+test_bookkeeping.py against a per-example loop, and the algorithm suite in bk mode): the same
+clip factor `min(1, C / (|g_i| + 1e-6))`, the same `summed_grad`, so Opacus' noise, scaling,
+virtual steps and every algorithm's phases run unchanged on top. Algorithms that read the
+per-example gradients themselves (GEP's projection) declare `needs_per_sample_gradients`;
+for them `bk` runs Opacus' hooks mode, since their cost is in the gradients this avoids.
+
+Supported trainable layers: Linear (any leading dims), Conv2d (zeros padding, any groups,
+stride, dilation), GroupNorm, LayerNorm. A trainable parameter elsewhere is refused when the
+model is wrapped, and again in any forward (strategies change what is trainable).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from opacus.optimizers import DPOptimizer
+from torch import nn
+
+SUPPORTED_LAYERS: tuple[type[nn.Module], ...] = (nn.Linear, nn.Conv2d, nn.GroupNorm, nn.LayerNorm)
+
+
+def unsupported_trainable(model: nn.Module, trainable_only: bool = True) -> list[str]:
+    """Names of modules holding (trainable) parameters that book-keeping cannot clip."""
+    out = []
+    for name, m in model.named_modules():
+        own = list(m.parameters(recurse=False))
+        if trainable_only:
+            own = [p for p in own if p.requires_grad]
+        if own and not isinstance(m, SUPPORTED_LAYERS):
+            out.append(f"{name or '<root>'} ({type(m).__name__})")
+        elif isinstance(m, nn.Conv2d) and own and m.padding_mode != "zeros":
+            out.append(f"{name} (Conv2d padding_mode={m.padding_mode!r})")
+        elif isinstance(m, nn.Conv2d) and own and isinstance(m.padding, str):
+            out.append(f"{name} (Conv2d padding={m.padding!r})")
+    return out
+
+
+@dataclass
+class _Record:
+    """One layer's forward input and output gradient for the current physical batch."""
+
+    module: nn.Module
+    a: torch.Tensor
+    params: dict[str, nn.Parameter] = field(default_factory=dict)  # "weight"/"bias" -> trained
+    g: torch.Tensor | None = None
+    strategy: str = ""  # how its norms were computed: exact, ghost or per-example
+    kept: dict[int, torch.Tensor] = field(default_factory=dict)  # per-example grads for the sum
+
+
+class BookKeepingModule(nn.Module):
+    """Wraps a model: records (input, output gradient) of every trainable layer per batch.
+
+    `loss_reduction` "mean" (Opacus' convention) scales the output gradients by the physical
+    batch size, so that per-example gradients are those of each example's own loss.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        loss_reduction: str = "mean",
+        keep_elements: int = 1 << 24,
+        strategy: str = "auto",
+    ):
+        super().__init__()
+        if loss_reduction not in ("mean", "sum"):
+            raise ValueError(f"loss_reduction must be 'mean' or 'sum', not {loss_reduction!r}")
+        bad = unsupported_trainable(module)
+        if bad:
+            raise ValueError(
+                "grad_sample_mode 'bk' cannot clip the trainable parameters of: "
+                + ", ".join(bad)
+                + f" (supported: {', '.join(t.__name__ for t in SUPPORTED_LAYERS)})"
+            )
+        self._module = module
+        self.loss_reduction = loss_reduction
+        # Per-example gradients of a layer up to this many elements (64 MiB in float32) are
+        # kept between the norms and the clipped sum; larger ones are recomputed as one
+        # weight-gradient kernel on the clip-weighted output gradients.
+        self.keep_elements = keep_elements
+        # "auto": per layer, the cheaper of ghost norm and per-example gradient (see
+        # _conv_weight_norms_sq); "ghost" / "per-example" force one (tests, benchmarks).
+        if strategy not in ("auto", "ghost", "per-example"):
+            raise ValueError(f"strategy must be auto, ghost or per-example, not {strategy!r}")
+        self.strategy = strategy
+        self.last_plan: dict[str, str] = {}  # layer -> how its norms were computed (first batch)
+        self.records: dict[nn.Module, _Record] = {}
+        self._switched_off: list[nn.Parameter] = []
+        self._handles = []
+        for m in module.modules():
+            if isinstance(m, SUPPORTED_LAYERS):
+                self._handles.append(m.register_forward_pre_hook(self._before_layer))
+                self._handles.append(m.register_forward_hook(self._after_layer))
+
+    # --- recording ---------------------------------------------------------------------------
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        recording = torch.is_grad_enabled()
+        if recording:
+            self.records = {}
+            bad = unsupported_trainable(self._module)
+            if bad:
+                raise ValueError("grad_sample_mode 'bk': cannot clip the layers " + ", ".join(bad))
+        try:
+            return self._module(*args, **kwargs)
+        finally:
+            for p in self._switched_off:
+                p.requires_grad_(True)
+            self._switched_off = []
+
+    def _before_layer(self, module: nn.Module, args: tuple) -> None:
+        if not torch.is_grad_enabled() or not args or not isinstance(args[0], torch.Tensor):
+            return
+        trained = {n: p for n, p in module.named_parameters(recurse=False) if p.requires_grad}
+        if not trained:
+            return
+        if module in self.records:
+            raise RuntimeError(
+                f"grad_sample_mode 'bk': {type(module).__name__} is called twice in one forward; "
+                "book-keeping supports one call per layer (use hooks or ew)"
+            )
+        x = args[0]
+        if x.requires_grad:  # the gradient still reaches this layer's output through x
+            for p in trained.values():
+                p.requires_grad_(False)
+                self._switched_off.append(p)
+        self.records[module] = _Record(module, x.detach(), trained)
+
+    def _after_layer(self, module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+        rec = self.records.get(module)
+        if rec is None or not isinstance(output, torch.Tensor) or not output.requires_grad:
+            return
+
+        def keep(grad: torch.Tensor) -> None:
+            rec.g = grad.detach()
+
+        output.register_hook(keep)
+
+    def clear(self) -> None:
+        self.records = {}
+
+    def _close(self) -> None:
+        """Drop the hooks (the finetune stage evaluates the plain module afterwards)."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        self.records = {}
+
+    def batch_size(self) -> int | None:
+        for rec in self.records.values():
+            return rec.a.shape[0]
+        return None
+
+    def _complete(self, params: list[nn.Parameter]) -> list[_Record]:
+        recs = list(self.records.values())
+        covered = {id(p) for r in recs for p in r.params.values()}
+        missing = [p for p in params if id(p) not in covered]
+        if missing:
+            raise RuntimeError(
+                f"grad_sample_mode 'bk': {len(missing)} trained parameter(s) were not used in the "
+                "last forward (or it ran without gradients)"
+            )
+        if any(r.g is None for r in recs):
+            raise RuntimeError("grad_sample_mode 'bk': clipping before the backward pass")
+        return recs
+
+    # --- norms and clipped sums --------------------------------------------------------------
+    @torch.no_grad()
+    def per_sample_norms(self, params: list[nn.Parameter]) -> torch.Tensor:
+        """L2 norm of each example's gradient over `params` (the last batch's trained layers).
+
+        Per-example gradients small enough (`keep_elements` per layer) are kept for the sum.
+        """
+        recs = self._complete(params)
+        wanted = {id(p) for p in params}
+        total = None
+        for rec in recs:
+            sq = _layer_norms_sq(rec, wanted, self.keep_elements, self.strategy)
+            total = sq if total is None else total + sq
+        assert total is not None
+        if not self.last_plan:
+            names = {m: n for n, m in self._module.named_modules()}
+            self.last_plan = {names.get(r.module, "?"): r.strategy for r in recs}
+        return total.sqrt() * self._loss_scale(recs[0])
+
+    @torch.no_grad()
+    def clipped_sums(
+        self, params: list[nn.Parameter], factor: torch.Tensor
+    ) -> dict[int, torch.Tensor]:
+        """`sum_i factor_i * grad_i` for each parameter (keyed by id), layer by layer."""
+        out: dict[int, torch.Tensor] = {}
+        wanted = {id(p) for p in params}
+        for rec in self.records.values():
+            out.update(_layer_sums(rec, factor * self._loss_scale(rec), wanted))
+        return out
+
+    def _loss_scale(self, rec: _Record) -> int:
+        """Opacus' 'mean' convention: an example's gradient is that of its own loss."""
+        return rec.a.shape[0] if self.loss_reduction == "mean" else 1
+
+
+def _layer_norms_sq(rec: _Record, wanted: set[int], keep: int, strategy: str) -> torch.Tensor:
+    """Squared per-example gradient norm of one layer's trained parameters (n,)."""
+    module, a, g = rec.module, rec.a, rec.g
+    assert g is not None
+    n = g.shape[0]
+    w, b = rec.params.get("weight"), rec.params.get("bias")
+    want_w = w is not None and id(w) in wanted
+    want_b = b is not None and id(b) in wanted
+    parts: list[torch.Tensor] = []
+    rec.kept = {}
+    if isinstance(module, nn.Linear) and a.dim() == 2:
+        rec.strategy = "exact"
+        g2 = g.pow(2).sum(1)
+        if want_w:
+            parts.append(g2 * a.pow(2).sum(1))
+        if want_b:
+            parts.append(g2)
+    elif isinstance(module, nn.Linear):
+        a3, g3 = a.reshape(n, -1, a.shape[-1]), g.reshape(n, -1, g.shape[-1])
+        t, d, p = a3.shape[1], a3.shape[2], g3.shape[2]
+        if want_w:
+            if strategy == "ghost" or (strategy == "auto" and t * (d + p) < d * p):
+                rec.strategy = "ghost"
+                parts.append(_ghost(a3, g3.transpose(1, 2)))
+            else:
+                rec.strategy = "per-example"
+                grads = torch.bmm(g3.transpose(1, 2), a3)  # (n, p, d)
+                parts.append(_keep(rec, w, grads, keep))
+        if want_b:
+            parts.append(_keep(rec, b, g3.sum(1), keep))
+    elif isinstance(module, nn.Conv2d):
+        if want_w:
+            parts.append(_conv_weight_norms_sq(module, rec, w, keep, strategy))
+        if want_b:
+            parts.append(_keep(rec, b, g.sum(dim=(2, 3)), keep))
+    else:
+        rec.strategy = "per-example"
+        gw, gb = _norm_layer_grads(module, a, g)
+        if want_w:
+            parts.append(_keep(rec, w, gw, keep))
+        if want_b:
+            parts.append(_keep(rec, b, gb, keep))
+    total = parts[0]
+    for part in parts[1:]:
+        total = total + part
+    return total
+
+
+def _keep(rec: _Record, p: torch.Tensor, grads: torch.Tensor, keep: int) -> torch.Tensor:
+    """Squared norms of per-example gradients `grads`; kept for the sum if small enough."""
+    if grads.numel() <= keep:
+        rec.kept[id(p)] = grads
+    return grads.reshape(grads.shape[0], -1).pow(2).sum(1)
+
+
+def _ghost(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """|g_i^T a_i|_F^2 for a (n, T, d), g (n, p, T) via T x T Gram matrices (Li et al. 2022)."""
+    return (torch.bmm(a, a.transpose(1, 2)) * torch.bmm(g.transpose(1, 2), g)).sum(dim=(1, 2))
+
+
+def _conv_weight_norms_sq(
+    module: nn.Conv2d, rec: _Record, w: torch.Tensor, keep: int, strategy: str
+) -> torch.Tensor:
+    """A Conv2d weight's per-example norms: ghost norm or per-example gradients, the cheaper.
+
+    With T output positions, d = Cin/G*kh*kw inputs and p = Cout/G outputs per group, the ghost
+    norm costs T^2 (d + p) and the per-example gradient T d p per example and group. The ghost
+    norm is taken (groups 1 only) when it is cheaper by that count with a factor 1.5 in its
+    favour: its two Gram products are large matrix products, whereas the per-example gradients
+    come from a grouped convolution (one group per example and conv group) that writes n d p
+    values, which on this CPU ran 4x below its FLOP rate where T is small and the channels many
+    (ResNet20's 64-channel 8x8 convolutions: 44 ms grouped vs 14-25 ms ghost at batch 256;
+    the embedded CNN's 16->32 7x7 one: 0.8 ms grouped vs 1.8 ms ghost; /tmp measurements
+    recorded in docs/speed.md). The rule is a heuristic from these CPU figures.
+    """
+    a, g = rec.a, rec.g
+    assert g is not None
+    n, c_in = a.shape[:2]
+    c_out, t = g.shape[1], g.shape[2] * g.shape[3]
+    groups = module.groups
+    d = c_in // groups * module.kernel_size[0] * module.kernel_size[1]
+    p = c_out // groups
+    cheaper = t * (d + p) < 1.5 * d * p
+    if groups == 1 and (strategy == "ghost" or (strategy == "auto" and cheaper)):
+        rec.strategy = "ghost"
+        return _ghost(_patches(module, a), g.reshape(n, c_out, t))
+    rec.strategy = "per-example"
+    grads = torch.ops.aten.convolution_backward(
+        g.reshape(1, n * c_out, *g.shape[2:]),
+        a.reshape(1, n * c_in, *a.shape[2:]),
+        w.new_empty((n * c_out, *w.shape[1:])),  # only its shape is read
+        None,
+        module.stride,
+        module.padding,
+        module.dilation,
+        False,
+        [0, 0],
+        n * groups,
+        [False, True, False],
+    )[1]
+    return _keep(rec, w, grads.reshape(n, *w.shape), keep)
+
+
+def _patches(module: nn.Conv2d, a: torch.Tensor) -> torch.Tensor:
+    """Input patches (n, T, kh*kw*Cin) copied from a channels-last view (contiguous rows)."""
+    (kh, kw), (sh, sw), (dh, dw) = module.kernel_size, module.stride, module.dilation
+    ph, pw = module.padding  # type: ignore[misc]
+    x = F.pad(a, (pw, pw, ph, ph)).contiguous(memory_format=torch.channels_last)
+    v = x.unfold(2, dh * (kh - 1) + 1, sh).unfold(3, dw * (kw - 1) + 1, sw)
+    v = v[..., ::dh, ::dw]  # (n, C, Ho, Wo, kh, kw)
+    n, c, ho, wo = v.shape[:4]
+    return v.permute(0, 2, 3, 4, 5, 1).reshape(n, ho * wo, kh * kw * c)
+
+
+def _norm_layer_grads(module: nn.Module, a: torch.Tensor, g: torch.Tensor):
+    """Per-example (weight, bias) gradients of GroupNorm (n, C) / LayerNorm (n, *shape)."""
+    if isinstance(module, nn.GroupNorm):
+        xhat = F.group_norm(a, module.num_groups, eps=module.eps)
+        dims = tuple(range(2, a.dim()))
+        return (xhat * g).sum(dim=dims), g.sum(dim=dims)
+    assert isinstance(module, nn.LayerNorm)
+    xhat = F.layer_norm(a, module.normalized_shape, eps=module.eps)
+    lead = tuple(range(1, a.dim() - len(module.normalized_shape)))
+    if not lead:
+        return xhat * g, g
+    return (xhat * g).sum(dim=lead), g.sum(dim=lead)
+
+
+def _layer_sums(rec: _Record, weights: torch.Tensor, wanted: set[int]) -> dict[int, torch.Tensor]:
+    """Weighted sums of one layer's per-example gradients (weights: clip factor x loss scale)."""
+    module, a, g = rec.module, rec.a, rec.g
+    assert g is not None
+    out: dict[int, torch.Tensor] = {}
+    for name, p in rec.params.items():
+        if id(p) not in wanted:
+            continue
+        kept = rec.kept.get(id(p))
+        if kept is not None:
+            out[id(p)] = torch.tensordot(weights.to(kept.dtype), kept, dims=1)
+            continue
+        gw = g * weights.reshape(-1, *([1] * (g.dim() - 1))).to(g.dtype)
+        if isinstance(module, nn.Linear):
+            g2 = gw.reshape(-1, gw.shape[-1])
+            out[id(p)] = g2.t() @ a.reshape(-1, a.shape[-1]) if name == "weight" else g2.sum(0)
+        elif isinstance(module, nn.Conv2d) and name == "weight":
+            out[id(p)] = torch.ops.aten.convolution_backward(
+                gw,
+                a,
+                p,
+                None,
+                module.stride,
+                module.padding,
+                module.dilation,
+                False,
+                [0, 0],
+                module.groups,
+                [False, True, False],
+            )[1]
+        elif isinstance(module, nn.Conv2d):
+            out[id(p)] = gw.sum(dim=(0, 2, 3))
+        else:
+            gwt, gbt = _norm_layer_grads(module, a, gw)
+            out[id(p)] = (gwt if name == "weight" else gbt).sum(0)
+    return out
+
+
+class BookKeepingClip:
+    """Placed before an Opacus optimizer class: clipping from the module's records.
+
+    Everything else (noise, scaling, virtual steps, step hooks, AdaClip's count through
+    `observe_norms`) is the wrapped class's. Opacus reads `p.grad_sample` only to count
+    accumulated physical batches and to spot empty ones; after clipping each parameter holds an
+    empty `(n, 0)` marker there instead of its per-example gradients.
+    """
+
+    bookkeeping: BookKeepingModule
+
+    @property
+    def grad_samples(self) -> list[torch.Tensor]:
+        n = self.bookkeeping.batch_size()
+        if n is None:
+            return super().grad_samples  # type: ignore[misc]
+        return [_marker(p, n) for p in self.params]  # type: ignore[attr-defined]
+
+    def clip_and_accumulate(self) -> None:
+        params = self.params  # type: ignore[attr-defined]
+        bk = self.bookkeeping
+        n = bk.batch_size()
+        if n is None:  # an empty Poisson batch: the algorithm set empty per-sample gradients
+            for p in params:
+                gs = getattr(p, "grad_sample", None)
+                if gs is None or len(gs) != 0:
+                    raise RuntimeError("grad_sample_mode 'bk': no forward/backward to clip")
+            device = params[0].device if params else None
+            norms = torch.zeros(0, device=device)
+            sums = {id(p): torch.zeros_like(p) for p in params}
+        else:
+            norms = bk.per_sample_norms(params)
+            sums = None
+        factor = (self.max_grad_norm / (norms + 1e-6)).clamp(max=1.0)  # type: ignore[attr-defined]
+        observe = getattr(self, "observe_norms", None)
+        if observe is not None:
+            observe(norms)
+        if sums is None:
+            sums = bk.clipped_sums(params, factor)
+        for p in params:
+            s = sums[id(p)].to(p.dtype)
+            prev = getattr(p, "summed_grad", None)
+            p.summed_grad = s if prev is None else prev + s
+            if getattr(p, "grad_sample", None) is None:
+                p.grad_sample = _marker(p, n or 0)
+        bk.clear()
+
+
+def _marker(p: torch.Tensor, n: int) -> torch.Tensor:
+    return torch.empty((n, 0), dtype=p.dtype, device=p.device)
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def attach_bookkeeping(opt: DPOptimizer, module: BookKeepingModule) -> DPOptimizer:
+    """Make `opt` (any DPOptimizer subclass) clip from `module`'s records, in place."""
+    cls = type(opt)
+    if not issubclass(cls, BookKeepingClip):
+        if cls not in _CLASSES:
+            _CLASSES[cls] = type(f"BookKeeping{cls.__name__}", (BookKeepingClip, cls), {})
+        opt.__class__ = _CLASSES[cls]
+    opt.bookkeeping = module  # type: ignore[attr-defined]
+    return opt

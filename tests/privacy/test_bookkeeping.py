@@ -1,0 +1,206 @@
+"""Book-keeping clipping against a per-example loop, for every registered model and layer kind.
+
+The reference: one forward/backward per example, each gradient scaled by Opacus' factor
+min(1, C / (|g| + 1e-6)), summed. C is the median per-example norm (half the examples are
+clipped), the batch is split in two physical batches (accumulation), all in float64 so that only
+summation order differs.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from opacus.optimizers import DPOptimizer
+from torch import nn
+
+from dpadapter.config import ModelConfig
+from dpadapter.models import MODEL_NAMES, create_model
+from dpadapter.privacy.bookkeeping import BookKeepingModule, attach_bookkeeping
+from dpadapter.train.per_sample import effective_mode, wrap_for_dp
+
+LOSS = nn.functional.cross_entropy
+
+
+class SequenceNet(nn.Module):
+    """Linear layers over a sequence (ghost norms over positions) and a LayerNorm."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(6, 40)
+        self.norm = nn.LayerNorm(40)
+        self.out = nn.Linear(40, 3)
+
+    def forward(self, x):
+        h = torch.relu(self.norm(self.inp(x.reshape(len(x), 4, 6))))
+        return self.out(h).mean(1)
+
+
+class OddConvs(nn.Module):
+    """Strided, dilated, grouped and biased convolutions, and an in-place ReLU after one."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Conv2d(2, 4, 3, stride=2, padding=1, bias=True)
+        self.b = nn.Conv2d(4, 8, 3, padding=2, dilation=2, groups=2, bias=True)
+        self.gn = nn.GroupNorm(2, 8)
+        self.c = nn.Conv2d(8, 8, (1, 3), padding=(0, 1), bias=False)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = nn.functional.relu(self.a(x), inplace=True)
+        h = self.c(torch.tanh(self.gn(self.b(h))))
+        return self.head(h.mean(dim=(2, 3)))
+
+
+def _registered(name: str) -> tuple[nn.Module, tuple[int, ...], int]:
+    shape = (3, 32, 32) if name.startswith("resnet") else (1, 28, 28)
+    cfg = ModelConfig(name, 4, 8)
+    return create_model(cfg, 10, shape[0], seed=0), shape, 10
+
+
+CASES = {
+    **{name: (lambda n=name: _registered(n)) for name in sorted(MODEL_NAMES)},
+    "sequence": lambda: (SequenceNet(), (24,), 3),
+    "odd-convs": lambda: (OddConvs(), (2, 9, 9), 3),
+}
+
+
+def reference(model: nn.Module, x, y, c: float | None):
+    grads = []
+    for i in range(len(y)):
+        model.zero_grad(set_to_none=True)
+        LOSS(model(x[i : i + 1]), y[i : i + 1]).backward()
+        grads.append(
+            torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.requires_grad])
+        )
+    g = torch.stack(grads)
+    norms = g.norm(dim=1)
+    c = float(norms.median()) if c is None else c
+    return (g * (c / (norms + 1e-6)).clamp(max=1.0)[:, None]).sum(0), c
+
+
+def bk_sum(model: nn.Module, x, y, c: float, **kw) -> torch.Tensor:
+    bk = BookKeepingModule(model, **kw)
+    opt = attach_bookkeeping(
+        DPOptimizer(
+            torch.optim.SGD(bk.parameters(), lr=0.0),
+            noise_multiplier=0.0,
+            max_grad_norm=c,
+            expected_batch_size=len(y),
+        ),
+        bk,
+    )
+    half = len(y) // 2
+    for part in (slice(0, half), slice(half, None)):
+        LOSS(bk(x[part]), y[part]).backward()
+        opt.clip_and_accumulate()
+    return torch.cat([p.summed_grad.reshape(-1) for p in opt.params])
+
+
+def _data(shape, classes, n=8):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(n, *shape, generator=g, dtype=torch.float64)
+    return x, torch.randint(0, classes, (n,), generator=g)
+
+
+@pytest.mark.parametrize("strategy", ["auto", "ghost", "per-example"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_clipped_sum_equals_the_per_example_reference(case, strategy):
+    model, shape, classes = CASES[case]()
+    model = model.double()
+    x, y = _data(shape, classes)
+    ref, c = reference(copy.deepcopy(model), x, y, None)
+    got = bk_sum(copy.deepcopy(model), x, y, c, strategy=strategy)
+    err = float((got - ref).norm() / ref.norm())
+    assert err < 1e-9, f"{case} ({strategy}): relative error {err:.3g}"
+
+
+def test_kept_and_recomputed_sums_agree():
+    """Per-example gradients kept for the sum or recomputed as one kernel: the same sum."""
+    model, shape, classes = CASES["odd-convs"]()
+    model = model.double()
+    x, y = _data(shape, classes)
+    kept = bk_sum(copy.deepcopy(model), x, y, 0.3)
+    recomputed = bk_sum(copy.deepcopy(model), x, y, 0.3, keep_elements=0)
+    assert torch.allclose(kept, recomputed, rtol=1e-10, atol=1e-13)
+
+
+def test_head_only_tuning_clips_the_trained_head():
+    model, shape, classes = CASES["cnn-gn"]()
+    model = model.double()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for p in model.get_classifier().parameters():
+        p.requires_grad_(True)
+    x, y = _data(shape, classes)
+    ref, c = reference(copy.deepcopy(model), x, y, None)
+    got = bk_sum(model, x, y, c)
+    assert got.numel() == sum(p.numel() for p in model.get_classifier().parameters())
+    assert float((got - ref).norm() / ref.norm()) < 1e-9
+    assert [p.requires_grad for p in model.parameters()].count(True) == 2
+
+
+def test_backward_skips_the_unclipped_weight_gradients_and_restores_requires_grad():
+    """The saving: only the first layer (input needs no gradient) gets autograd's p.grad."""
+    model, shape, classes = CASES["resnet20-gn"]()
+    bk = BookKeepingModule(model)
+    x, y = _data(shape, classes)
+    LOSS(bk(x.float()), y).backward()
+    assert all(p.requires_grad for p in model.parameters())
+    with_grad = [n for n, p in model.named_parameters() if p.grad is not None]
+    assert with_grad == ["stem.0.weight"], with_grad
+    assert len(bk.records) == sum(
+        1 for m in model.modules() if any(True for _ in m.parameters(recurse=False))
+    )
+
+
+def test_empty_batch_and_a_missing_backward():
+    model, shape, classes = CASES["cnn-gn"]()
+    bk = BookKeepingModule(model)
+    opt = attach_bookkeeping(
+        DPOptimizer(
+            torch.optim.SGD(bk.parameters(), lr=0.0),
+            noise_multiplier=0.0,
+            max_grad_norm=1.0,
+            expected_batch_size=4,
+        ),
+        bk,
+    )
+    for p in opt.params:  # what the algorithms do for an empty Poisson batch
+        p.grad_sample = torch.zeros((0, *p.shape))
+    opt.clip_and_accumulate()
+    assert all(float(p.summed_grad.abs().sum()) == 0 for p in opt.params)
+    opt.zero_grad(set_to_none=True)
+    x, y = _data(shape, classes, n=4)
+    bk(x.float())  # a forward without its backward
+    with pytest.raises(RuntimeError, match="before the backward"):
+        opt.clip_and_accumulate()
+
+
+def test_unsupported_trainable_layers_are_refused_frozen_ones_allowed():
+    model = nn.Sequential(nn.Embedding(10, 4), nn.Flatten(), nn.Linear(8, 2))
+    with pytest.raises(ValueError, match="Embedding"):
+        BookKeepingModule(model)
+    model[0].weight.requires_grad_(False)
+    bk = BookKeepingModule(model)
+    model[0].weight.requires_grad_(True)  # a strategy unfreezing it later is caught too
+    with pytest.raises(ValueError, match="Embedding"):
+        bk(torch.zeros((2, 2), dtype=torch.long))
+
+
+def test_a_layer_called_twice_is_refused():
+    lin = nn.Linear(3, 3)
+    model = nn.Sequential(lin, nn.ReLU(), lin)
+    with pytest.raises(RuntimeError, match="called twice"):
+        BookKeepingModule(model)(torch.randn(2, 3))
+
+
+def test_algorithms_reading_per_example_gradients_run_hooks():
+    assert effective_mode("bk", needs_per_sample_gradients=True) == "hooks"
+    assert effective_mode("bk", needs_per_sample_gradients=False) == "bk"
+    model, _, _ = CASES["cnn-gn"]()
+    assert not isinstance(wrap_for_dp(model, "bk", True), BookKeepingModule)
+    with pytest.raises(ValueError, match="unknown grad_sample_mode"):
+        effective_mode("ghost", False)
