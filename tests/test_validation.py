@@ -234,3 +234,20 @@ def test_cli_validates_with_the_registries(tmp_path, tiny_raw):
         text=True,
     )
     assert r.returncode == 2 and "pretrain.params.sam.gama: unknown parameter" in r.stderr
+
+
+def test_bookkeeping_mode_is_checked_against_the_model_before_any_job(monkeypatch):
+    """bk clips Linear/Conv2d/GroupNorm/LayerNorm only; another trained layer is refused now."""
+    from torch import nn
+
+    from dpadapter import validation
+
+    raw = copy.deepcopy(DEFAULT)
+    raw["finetune"]["grad_sample_mode"] = "bk"
+    assert validate(raw).finetune.grad_sample_mode == "bk"  # every registered model is supported
+    monkeypatch.setattr(
+        validation,
+        "create_model",
+        lambda *a, **k: nn.Sequential(nn.Conv2d(1, 2, 3), nn.PReLU(), nn.Flatten()),
+    )
+    _rejected(raw, "finetune.grad_sample_mode", "PReLU", "hooks, functorch or ew")

@@ -72,9 +72,7 @@ def reference(model: nn.Module, x, y, c: float | None):
     for i in range(len(y)):
         model.zero_grad(set_to_none=True)
         LOSS(model(x[i : i + 1]), y[i : i + 1]).backward()
-        grads.append(
-            torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.requires_grad])
-        )
+        grads.append(torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.requires_grad]))
     g = torch.stack(grads)
     norms = g.norm(dim=1)
     c = float(norms.median()) if c is None else c

@@ -99,3 +99,34 @@ def test_bad_inputs_fail_before_training(tiny_cfg, scratch_ckpt, tmp_path):
         finetune.run(
             tiny_cfg, "scratch", "syn-shift", "dpsgd", float("inf"), 0, scratch_ckpt, tmp_path / "x"
         )
+
+
+@pytest.mark.parametrize("algo", ["adpclip", "gep"])
+def test_bookkeeping_mode_runs_the_stage_and_records_what_ran(
+    tiny_cfg, scratch_ckpt, tmp_path, algo
+):
+    """`grad_sample_mode: bk` end to end (virtual batches through Opacus' BatchMemoryManager):
+    the same run as hooks mode to float tolerance, and metrics.json says which mode ran."""
+    from dataclasses import replace
+
+    out = {}
+    for mode in ("hooks", "bk"):
+        cfg = replace(
+            tiny_cfg,
+            finetune=replace(tiny_cfg.finetune, grad_sample_mode=mode, physical_batch_size=7),
+        )
+        finetune.run(cfg, "scratch", "syn-shift", algo, 2.0, 0, scratch_ckpt, tmp_path / mode)
+        out[mode] = json.loads((tmp_path / mode / "metrics.json").read_text())
+    hp = out["bk"]["hyperparameters"]
+    assert hp["grad_sample_mode"] == "bk"
+    assert hp["grad_sample_mode_run"] == ("hooks" if algo == "gep" else "bk")
+    plan = out["bk"]["clipping_plan"]
+    assert (plan is None) == (algo == "gep")
+    if plan:
+        assert set(plan.values()) <= {"exact", "ghost", "per-example"} and "head" in plan
+    assert out["bk"]["privacy"]["history"] == out["hooks"]["privacy"]["history"]
+    assert out["bk"]["test_accuracy"] == pytest.approx(out["hooks"]["test_accuracy"], abs=0.02)
+    a = torch.load(tmp_path / "hooks" / "model.pt", weights_only=True)["state_dict"]
+    b = torch.load(tmp_path / "bk" / "model.pt", weights_only=True)["state_dict"]
+    for k in a:
+        assert torch.allclose(a[k].float(), b[k].float(), rtol=1e-4, atol=1e-5), k
