@@ -314,7 +314,7 @@ def _conv_weight_norms_sq(
     grads = torch.ops.aten.convolution_backward(
         g.reshape(1, n * c_out, *g.shape[2:]),
         a.reshape(1, n * c_in, *a.shape[2:]),
-        w.new_empty((n * c_out, *w.shape[1:])),  # only its shape is read
+        w.new_empty(1).expand(n * c_out, *w.shape[1:]),  # only its shape is read
         None,
         module.stride,
         module.padding,
