@@ -356,3 +356,82 @@ def test_b1_chunk_halves_on_out_of_memory_and_gives_the_same_gradient(monkeypatc
     assert step.chunk_size == 16
     for a, b in zip(grads, ref_grads, strict=True):
         assert torch.allclose(a, b, atol=1e-6)
+
+
+def _ema_step(data, beta=0.6, **kw):
+    from dpadapter.upstream.sam import EMAPerturbedStep
+
+    args = {"eta1": 1.0, "gamma": 1e6, "chunk_size": 64, **kw}
+    return EMAPerturbedStep(data, sampler=B1Sampler(len(data), 64, seed=0), beta=beta, **args)
+
+
+def test_ema_option_starts_exact_then_averages_earlier_clean_gradients():
+    """Delta_0 is Algorithm 1's; Delta_t = eta1 * (beta avg + (1 - beta) grad L_B2(theta_{t-1}))
+    from earlier steps only, so it does not depend on the update batch of its own step."""
+    data = indexed_data(160)
+    model = small_model()
+    exact = PerturbedStep(
+        data, eta1=1.0, gamma=1e6, chunk_size=64, sampler=B1Sampler(len(data), 64, seed=0)
+    )
+    beta = 0.6
+    step = _ema_step(data, beta)
+    (d_exact,) = _applied_perturbations(exact, copy.deepcopy(model), data, 1)
+    opt, _ = make_sgd(model, SGDConfig(lr=0.05, momentum=0.0, weight_decay=0.0))
+    x, y = data.tensors
+    expected = None
+    for k in range(4):
+        theta = copy.deepcopy(model)
+        xb, yb = x[16 * k : 16 * k + 16], y[16 * k : 16 * k + 16]
+        step(model, opt, xb, yb)
+        if k == 0:
+            for d, e in zip(step.last_delta, d_exact, strict=True):
+                torch.testing.assert_close(d, e, rtol=1e-5, atol=1e-7)
+            expected = [d.clone() for d in step.last_delta]
+        else:
+            for d, e in zip(step.last_delta, expected, strict=True):
+                torch.testing.assert_close(d, e, rtol=1e-5, atol=1e-7)
+        clean = torch.autograd.grad(
+            nn.functional.cross_entropy(theta(xb), yb), list(theta.parameters())
+        )
+        expected = [beta * e + (1 - beta) * g for e, g in zip(expected, clean, strict=True)]
+    assert step.pop_epoch_stats()["refreshes"] == 4
+
+
+def test_ema_option_costs_two_update_batches_per_step_after_the_first():
+    data = indexed_data(160)
+    model = small_model()
+    step = _ema_step(data)
+    opt, _ = make_sgd(model, SGDConfig(lr=0.05, momentum=0.0, weight_decay=0.0))
+    rec = ForwardRecorder(model)
+    x, y = data.tensors
+    seen = []
+    for k in range(3):
+        rec.clear()
+        step(model, opt, x[16 * k : 16 * k + 16], y[16 * k : 16 * k + 16])
+        seen.append(sum(len(i) for i in rec.inputs))
+    rec.remove()
+    assert seen == [64 + 16 + 16, 32, 32]  # B1 once (then B2 clean + B2 perturbed), then 2 x B2
+
+
+def test_ema_option_resumes_exactly_and_is_configurable():
+    data = indexed_data(160)
+    x, y = data.tensors
+    runs = []
+    for interrupt in (False, True):
+        model = small_model()
+        step = _ema_step(data)
+        opt, _ = make_sgd(model, SGDConfig(lr=0.05, momentum=0.0, weight_decay=0.0))
+        for k in range(5):
+            if interrupt and k == 2:
+                state = copy.deepcopy(step.state_dict())
+                step = _ema_step(data)
+                step.load_state_dict(state)
+            step(model, opt, x[16 * k : 16 * k + 16], y[16 * k : 16 * k + 16])
+        runs.append(params_of(model))
+    assert _equal(*runs)
+    from dpadapter.upstream.sam import EMAPerturbedStep
+
+    assert isinstance(_dpadapter(ema_beta=0.88).make_step(data, 0), EMAPerturbedStep)
+    assert type(_dpadapter().make_step(data, 0)) is PerturbedStep
+    with pytest.raises(ValueError, match="refresh_every"):
+        _dpadapter(ema_beta=0.5, refresh_every=2).make_step(data, 0)

@@ -238,6 +238,7 @@ class PerturbedStep:
         self.steps = 0
         self.last_delta: list[torch.Tensor] | None = None
         self.last_b1: torch.Tensor | None = None
+        self._raw: list[torch.Tensor] = []  # the last B1 gradient, before eta1 and the cap
         self.stats = _EpochStats()
 
     def _gradient(self, model: nn.Module, x, y, index) -> tuple[list[torch.Tensor], float]:
@@ -273,6 +274,7 @@ class PerturbedStep:
         else:
             self.last_b1 = self.sampler.draw()
             grads, loss = self._gradient(model, self.x_all, self.y_all, self.last_b1)
+        self._raw = grads
         delta, raw, binding = cap_to_ball([self.eta1 * g for g in grads], self.gamma)
         self.last_delta = delta
         s.binding += int(binding)
@@ -281,6 +283,9 @@ class PerturbedStep:
         s.b1_loss += loss
         s.b1_batches += 1
 
+    def before_update(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
+        """Runs at theta after Delta is set and before the perturbed gradient (EMA variant)."""
+
     def __call__(
         self, model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor
     ) -> float:
@@ -288,6 +293,7 @@ class PerturbedStep:
             self._perturbation(model, x, y)
         assert self.last_delta is not None
         self.steps += 1
+        self.before_update(model, x, y)
         params = trainable(model)
         with torch.no_grad():
             saved = [p.detach().clone() for p in params]
@@ -332,6 +338,71 @@ class PerturbedStep:
         if self.sampler is not None and state["sampler_rng"] is not None:
             self.sampler.generator.set_state(state["sampler_rng"])
         self.stats = _EpochStats(**state["stats"])
+
+
+class EMAPerturbedStep(PerturbedStep):
+    """DPAdapter's cheaper option (`ema_beta`): Delta from a running average of clean gradients.
+
+    Algorithm 1's cost is the B1 pass: m1 / m2 update batches' worth of work per step (16x in
+    the embedded setting, 100x in the paper's). This variant replaces grad L_B1(theta_t) by
+    an exponential moving average of the clean gradients grad L_B2(theta_s) of the steps s < t,
+    each taken at the unperturbed weights on that step's update batch, so a step costs two
+    passes over B2 (about 2x a standard step) instead of (m1 + m2) / m2.
+
+    Why it should approximate Algorithm 1: with beta = (m1 - m2) / (m1 + m2), an average of
+    independent B2 gradients has the variance of one B1 gradient (its effective batch is
+    m2 (1 + beta) / (1 - beta) = m1). It is built only from earlier batches, so Delta stays
+    independent of the update batch, as B1 is (the paper's decoupling). It starts from one exact
+    B1 gradient, so the first steps are Algorithm 1's. What it gives up: the average lags theta
+    by about 1 / (1 - beta) steps, so it is the gradient at slightly stale weights. Unlike a
+    Delta reused for k steps (`refresh_every`, which failed: SGD learns to offset a fixed
+    Delta), it changes every step and follows theta. Whether that is close enough is measured,
+    not assumed (bench/dpadapter_cost.py, docs/speed.md).
+    """
+
+    def __init__(self, *args: Any, beta: float, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        if not 0 <= beta < 1:
+            raise ValueError("ema_beta must be in [0, 1)")
+        if self.refresh_every != 1:
+            raise ValueError(
+                "ema_beta needs refresh_every = 1 (the average is refreshed each step)"
+            )
+        self.beta = float(beta)
+        self.average: list[torch.Tensor] | None = None
+
+    def _perturbation(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
+        if self.average is None or self.gamma == 0:
+            super()._perturbation(model, x, y)  # the exact B1 gradient starts the average
+            if self.gamma != 0:
+                self.average = [g.clone() for g in self._raw]
+            return
+        s = self.stats
+        s.refreshes += 1
+        delta, raw, binding = cap_to_ball([self.eta1 * g for g in self.average], self.gamma)
+        self.last_delta = delta
+        s.binding += int(binding)
+        s.raw_norm += raw
+        s.norm += min(raw, self.gamma)
+
+    def before_update(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
+        if self.average is None:
+            return
+        params = trainable(model)
+        loss = nn.functional.cross_entropy(model(x), y)
+        with torch.no_grad():
+            for a, g in zip(self.average, torch.autograd.grad(loss, params), strict=True):
+                a.mul_(self.beta).add_(g, alpha=1 - self.beta)
+
+    def state_dict(self) -> dict[str, Any]:
+        out = super().state_dict()
+        out["average"] = None if self.average is None else [a.cpu() for a in self.average]
+        return out
+
+    def load_state_dict(self, state: dict[str, Any], device: torch.device | None = None) -> None:
+        super().load_state_dict(state, device)
+        avg = state.get("average")
+        self.average = None if avg is None else [a.to(device) for a in avg]
 
 
 _SCHEDULE_DEFAULTS: dict[str, Any] = {
@@ -448,11 +519,21 @@ class DPAdapter(_PerturbedUpstream):
         m2=POSITIVE_INT,
         gamma=NON_NEGATIVE,
         refresh_every=POSITIVE_INT,
+        ema_beta=nullable({"type": "number", "minimum": 0, "exclusiveMaximum": 1}),
     )
 
     @classmethod
     def default_params(cls) -> dict[str, Any]:
-        return {**_SCHEDULE_DEFAULTS, "m1": 5000, "m2": 50, "gamma": 2.0, "refresh_every": 1}
+        # ema_beta None: exact Algorithm 1 (the paper configs' setting); a number: the
+        # EMAPerturbedStep option, e.g. (m1 - m2) / (m1 + m2).
+        return {
+            **_SCHEDULE_DEFAULTS,
+            "m1": 5000,
+            "m2": 50,
+            "gamma": 2.0,
+            "refresh_every": 1,
+            "ema_beta": None,
+        }
 
     def update_batch_size(self) -> int:
         return int(self.params["m2"])
@@ -460,9 +541,10 @@ class DPAdapter(_PerturbedUpstream):
     def make_step(self, data: TensorDataset, seed: int) -> PerturbedStep:
         p = self.params
         sampler = B1Sampler(len(data), int(p["m1"]), seed)
-        return PerturbedStep(
-            data, p["eta1"], p["gamma"], p["chunk_size"], p["refresh_every"], sampler=sampler
-        )
+        args = (data, p["eta1"], p["gamma"], p["chunk_size"], p["refresh_every"])
+        if p["ema_beta"] is not None:
+            return EMAPerturbedStep(*args, sampler=sampler, beta=float(p["ema_beta"]))
+        return PerturbedStep(*args, sampler=sampler)
 
 
 def relative_step_cost(m1: int, m2: int, refresh_every: int = 1) -> float:
