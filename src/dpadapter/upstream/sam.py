@@ -519,13 +519,19 @@ class DPAdapter(_PerturbedUpstream):
         m2=POSITIVE_INT,
         gamma=NON_NEGATIVE,
         refresh_every=POSITIVE_INT,
-        ema_beta=nullable({"type": "number", "minimum": 0, "exclusiveMaximum": 1}),
+        ema_beta={
+            "oneOf": [
+                {"type": "null"},
+                {"const": "auto"},
+                {"type": "number", "minimum": 0, "exclusiveMaximum": 1},
+            ]
+        },
     )
 
     @classmethod
     def default_params(cls) -> dict[str, Any]:
-        # ema_beta None: exact Algorithm 1 (the paper configs' setting); a number: the
-        # EMAPerturbedStep option, e.g. (m1 - m2) / (m1 + m2).
+        # ema_beta None: exact Algorithm 1 (the paper configs' setting); a number, or "auto" for
+        # (m1 - m2) / (m1 + m2): the EMAPerturbedStep option (`dpadapter-ema`).
         return {
             **_SCHEDULE_DEFAULTS,
             "m1": 5000,
@@ -542,9 +548,22 @@ class DPAdapter(_PerturbedUpstream):
         p = self.params
         sampler = B1Sampler(len(data), int(p["m1"]), seed)
         args = (data, p["eta1"], p["gamma"], p["chunk_size"], p["refresh_every"])
-        if p["ema_beta"] is not None:
-            return EMAPerturbedStep(*args, sampler=sampler, beta=float(p["ema_beta"]))
+        beta = p["ema_beta"]
+        if beta == "auto":
+            beta = (int(p["m1"]) - int(p["m2"])) / (int(p["m1"]) + int(p["m2"]))
+        if beta is not None:
+            return EMAPerturbedStep(*args, sampler=sampler, beta=float(beta))
         return PerturbedStep(*args, sampler=sampler)
+
+
+@register_upstream("dpadapter-ema")
+class DPAdapterEMA(DPAdapter):
+    """DPAdapter with the cheaper perturbation (EMAPerturbedStep): `ema_beta` "auto" by default,
+    so the running average has the variance of one B1 gradient. About 2x a standard step."""
+
+    @classmethod
+    def default_params(cls) -> dict[str, Any]:
+        return {**super().default_params(), "ema_beta": "auto"}
 
 
 def relative_step_cost(m1: int, m2: int, refresh_every: int = 1) -> float:
