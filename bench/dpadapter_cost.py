@@ -19,6 +19,11 @@ the ratio shrinks), hence one thread by default; compare ratios, not absolute ti
 
     .venv/bin/python bench/dpadapter_cost.py                      # trains the warm-up itself
     .venv/bin/python bench/dpadapter_cost.py --warmup results/warmup/model.pt --steps 100
+    .venv/bin/python bench/dpadapter_cost.py --warmup results/warmup/model.pt --refresh 1 \
+        --ema auto --seed 1        # exact Algorithm 1 vs the dpadapter-ema option, seed 1
+
+`--ema` adds the dpadapter-ema option (docs/speed.md): Delta from a running average of earlier
+clean B2 gradients, two B2 passes per step.
 """
 
 from __future__ import annotations
@@ -56,6 +61,13 @@ def parse_args() -> argparse.Namespace:
         "an epoch at m2=64, to keep the run within minutes)",
     )
     p.add_argument("--refresh", type=int, nargs="+", default=[1, 10, 50])
+    p.add_argument(
+        "--ema",
+        nargs="*",
+        default=["auto"],
+        help="ema_beta values of the dpadapter-ema option ('auto' = (m1-m2)/(m1+m2)); none: skip",
+    )
+    p.add_argument("--seed", type=int, default=None, help="training seed (default: the config's)")
     p.add_argument("--probe-steps", type=int, default=60, help="steps of each standard timing")
     p.add_argument("--m1", type=int, default=1024)
     p.add_argument("--m2", type=int, default=64)
@@ -90,6 +102,7 @@ def main() -> None:
     steps_per_epoch = math.ceil(n / args.m2)
     steps = args.steps if args.steps > 0 else steps_per_epoch
     r = cfg.robustness
+    seed = cfg.seed if args.seed is None else args.seed
 
     def report(model: nn.Module) -> tuple[float, float]:
         acc = evaluate(model, public.test)
@@ -106,7 +119,7 @@ def main() -> None:
         origin = f"trained here ({cfg.warmup.epochs} epochs, {time.perf_counter() - t0:.0f} s)"
     print(
         f"config {cfg_path.name}: {n} public training examples, {len(public.test)} test; "
-        f"warm-up {origin}; {args.threads} threads"
+        f"warm-up {origin}; {args.threads} threads; training seed {seed}"
     )
     print(f"robust accuracy: weights + N(0, {r.noise_std}^2), {r.draws} draws, seed {r.seed}")
     print(
@@ -126,7 +139,7 @@ def main() -> None:
         "max_steps": steps,
     }
     logs: list[dict] = []
-    ctx = UpstreamContext(cfg, plan, public, warm, cfg.seed, lambda e, s: logs.append(s))
+    ctx = UpstreamContext(cfg, plan, public, warm, seed, lambda e, s: logs.append(s))
 
     header = (
         f"{'variant':<22}{'s/epoch':>12}{'ratio':>12}{'cpu ratio':>10}{'count':>10}"
@@ -155,14 +168,14 @@ def main() -> None:
         within minutes and a ratio against a baseline taken earlier would absorb that change.
         """
         t0, c0 = time.perf_counter(), time.process_time()
-        sgd_train(copy.deepcopy(warm), public.train, probe, seed=cfg.seed, desc="probe")
+        sgd_train(copy.deepcopy(warm), public.train, probe, seed=seed, desc="probe")
         scale = steps_per_epoch / probe.max_steps
         return (time.perf_counter() - t0) * scale, (time.process_time() - c0) * scale
 
     standard_epoch_time()  # untimed burn-in: thread-pool and kernel set-up of a fresh process
     control = copy.deepcopy(warm)
     t0, c0 = time.perf_counter(), time.process_time()
-    sgd_train(control, public.train, sgd, seed=cfg.seed, desc="standard")
+    sgd_train(control, public.train, sgd, seed=seed, desc="standard")
     base = (time.perf_counter() - t0) / steps * steps_per_epoch
     acc, rob = report(control)
     print(
@@ -171,7 +184,11 @@ def main() -> None:
         flush=True,
     )
 
-    for k in args.refresh:
+    variants = [(f"dpadapter k={k}", {"refresh_every": k}) for k in args.refresh]
+    variants += [
+        (f"dpadapter-ema b={b}", {"ema_beta": b if b == "auto" else float(b)}) for b in args.ema
+    ]
+    for label, extra in variants:
         method = UPSTREAMS["dpadapter"](
             {
                 **common,
@@ -180,9 +197,11 @@ def main() -> None:
                 "eta1": args.eta1,
                 "gamma": args.gamma,
                 "chunk_size": args.chunk_size,
-                "refresh_every": k,
+                **extra,
             }
         )
+        k = int(extra.get("refresh_every", 1))
+        count = 2.0 if "ema_beta" in extra else relative_step_cost(args.m1, args.m2, k)
         logs.clear()
         before = standard_epoch_time()
         t0, c0 = time.perf_counter(), time.process_time()
@@ -194,8 +213,8 @@ def main() -> None:
         acc, rob = report(model)
         s = logs[-1]
         print(
-            f"{f'dpadapter k={k}':<22}{per_epoch:>12.1f}{per_epoch / base_wall:>12.2f}"
-            f"{per_epoch_cpu / base_cpu:>10.2f}{relative_step_cost(args.m1, args.m2, k):>10.1f}"
+            f"{label:<22}{per_epoch:>12.1f}{per_epoch / base_wall:>12.2f}"
+            f"{per_epoch_cpu / base_cpu:>10.2f}{count:>10.1f}"
             f"{100 * acc:>9.1f}{100 * rob:>10.1f}"
             f"   |Delta| {s['delta_norm']:.3f} (raw {s['delta_norm_raw']:.3f}), "
             f"gamma binding {100 * s['gamma_binding']:.0f}% of {s['refreshes']} perturbations",
@@ -204,7 +223,8 @@ def main() -> None:
     print(
         "s/epoch: wall time extrapolated to one epoch; ratio: over a standard epoch with the same "
         "B2 size, timed just before and after each variant (mean of the two); cpu ratio: the same "
-        "in process CPU time; count: (m1/k + m2)/m2, the example-pass count."
+        "in process CPU time; count: (m1/k + m2)/m2, the example-pass count (ema: 2 B2 passes; "
+        "one B1 pass at the start)."
     )
 
 
