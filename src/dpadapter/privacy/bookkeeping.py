@@ -62,6 +62,16 @@ def unsupported_trainable(model: nn.Module, trainable_only: bool = True) -> list
     return out
 
 
+def _refuse_unsupported(model: nn.Module) -> None:
+    bad = unsupported_trainable(model)
+    if bad:
+        raise ValueError(
+            "grad_sample_mode 'bk' cannot clip the trainable parameters of: "
+            + ", ".join(bad)
+            + f" (supported: {', '.join(t.__name__ for t in SUPPORTED_LAYERS)})"
+        )
+
+
 @dataclass
 class _Record:
     """One layer's forward input and output gradient for the current physical batch."""
@@ -91,13 +101,7 @@ class BookKeepingModule(nn.Module):
         super().__init__()
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"loss_reduction must be 'mean' or 'sum', not {loss_reduction!r}")
-        bad = unsupported_trainable(module)
-        if bad:
-            raise ValueError(
-                "grad_sample_mode 'bk' cannot clip the trainable parameters of: "
-                + ", ".join(bad)
-                + f" (supported: {', '.join(t.__name__ for t in SUPPORTED_LAYERS)})"
-            )
+        _refuse_unsupported(module)
         self._module = module
         self.loss_reduction = loss_reduction
         # Per-example gradients of a layer up to this many elements (64 MiB in float32) are
@@ -123,9 +127,7 @@ class BookKeepingModule(nn.Module):
         recording = torch.is_grad_enabled()
         if recording:
             self.records = {}
-            bad = unsupported_trainable(self._module)
-            if bad:
-                raise ValueError("grad_sample_mode 'bk': cannot clip the layers " + ", ".join(bad))
+            _refuse_unsupported(self._module)  # a strategy may have unfrozen another layer
         try:
             return self._module(*args, **kwargs)
         finally:
@@ -311,20 +313,34 @@ def _conv_weight_norms_sq(
         rec.strategy = "ghost"
         return _ghost(_patches(module, a), g.reshape(n, c_out, t))
     rec.strategy = "per-example"
-    grads = torch.ops.aten.convolution_backward(
+    # Examples as groups: one grouped weight-gradient kernel gives every example's gradient.
+    grads = _conv_weight_grad(
+        module,
         g.reshape(1, n * c_out, *g.shape[2:]),
         a.reshape(1, n * c_in, *a.shape[2:]),
         w.new_empty(1).expand(n * c_out, *w.shape[1:]),  # only its shape is read
+        n * groups,
+    )
+    return _keep(rec, w, grads.reshape(n, *w.shape), keep)
+
+
+def _conv_weight_grad(
+    module: nn.Conv2d, g: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, groups: int
+) -> torch.Tensor:
+    """The weight gradient of `module`'s convolution for output gradient g and input a."""
+    return torch.ops.aten.convolution_backward(
+        g,
+        a,
+        weight,
         None,
         module.stride,
         module.padding,
         module.dilation,
         False,
         [0, 0],
-        n * groups,
+        groups,
         [False, True, False],
     )[1]
-    return _keep(rec, w, grads.reshape(n, *w.shape), keep)
 
 
 def _patches(module: nn.Conv2d, a: torch.Tensor) -> torch.Tensor:
@@ -369,19 +385,7 @@ def _layer_sums(rec: _Record, weights: torch.Tensor, wanted: set[int]) -> dict[i
             g2 = gw.reshape(-1, gw.shape[-1])
             out[id(p)] = g2.t() @ a.reshape(-1, a.shape[-1]) if name == "weight" else g2.sum(0)
         elif isinstance(module, nn.Conv2d) and name == "weight":
-            out[id(p)] = torch.ops.aten.convolution_backward(
-                gw,
-                a,
-                p,
-                None,
-                module.stride,
-                module.padding,
-                module.dilation,
-                False,
-                [0, 0],
-                module.groups,
-                [False, True, False],
-            )[1]
+            out[id(p)] = _conv_weight_grad(module, gw, a, p, module.groups)
         elif isinstance(module, nn.Conv2d):
             out[id(p)] = gw.sum(dim=(0, 2, 3))
         else:
