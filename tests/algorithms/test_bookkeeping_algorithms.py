@@ -4,7 +4,8 @@ The algorithms' phases run on top of the optimizer's clipped sum; bk replaces on
 (and the per-example norms: AdpClip's count) is computed. So each algorithm in bk mode must make
 the releases Opacus' hooks mode makes, query by query, to float tolerance: DP-SAM's ascent and
 descent, GEP's embedding and residual (GEP reads per-example gradients and runs hooks under bk),
-AdpClip's gradient and clipped count, with virtual batches, momentum and an empty Poisson batch.
+AdpClip's gradient and clipped count, with virtual batches, momentum, an empty Poisson batch, and
+the trained parameters changing between steps (head only, all, head only: the HT/UT strategies).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from dpadapter.privacy.bookkeeping import BookKeepingModule
 NAMES = sorted(ALGORITHMS)
 
 
-def _run(name: str, mode: str, data) -> H.Run:
+def _run(name: str, mode: str, data, phases: tuple[str, ...] = ("ft", "ft", "ft")) -> H.Run:
     s = H.spec(max_grad_norm=0.5, expected_batch_size=12)
     run = H.build(
         name,
@@ -32,7 +33,10 @@ def _run(name: str, mode: str, data) -> H.Run:
         mode=mode,
         dtype=torch.float64,
     )
-    for t in range(3):
+    head = {id(p) for p in run.model.get_classifier().parameters()}
+    for t, phase in enumerate(phases):  # HT/UT strategies change what is trained between steps
+        for p in run.model.parameters():
+            p.requires_grad_(phase == "ft" or id(p) in head)
         x, y = _xy(data, 12 * t, 12)
         H.logical_step(run, x.double(), y, physical=5)
         if t == 1:
@@ -40,9 +44,10 @@ def _run(name: str, mode: str, data) -> H.Run:
     return run
 
 
+@pytest.mark.parametrize("phases", [("ft", "ft", "ft"), ("ht", "ft", "ht")])
 @pytest.mark.parametrize("name", NAMES)
-def test_bk_makes_the_releases_of_opacus_hooks(name, algo_data):
-    hooks, bk = _run(name, "hooks", algo_data), _run(name, "bk", algo_data)
+def test_bk_makes_the_releases_of_opacus_hooks(name, algo_data, phases):
+    hooks, bk = _run(name, "hooks", algo_data, phases), _run(name, "bk", algo_data, phases)
     uses_bk = not ALGORITHMS[name].needs_per_sample_gradients
     assert isinstance(bk.gsm, BookKeepingModule) == uses_bk
     assert len(hooks.algo.audit) == len(bk.algo.audit) == 4
@@ -71,4 +76,4 @@ def test_the_check_fails_when_bk_clips_differently(algo_data, monkeypatch):
         lambda self, params: original(self, params) * 1.01,
     )
     with pytest.raises(AssertionError, match="bk differs"):
-        test_bk_makes_the_releases_of_opacus_hooks("dpsgd", algo_data)
+        test_bk_makes_the_releases_of_opacus_hooks("dpsgd", algo_data, ("ft", "ft", "ft"))
