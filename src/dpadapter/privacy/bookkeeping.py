@@ -114,6 +114,9 @@ class BookKeepingModule(nn.Module):
             raise ValueError(f"strategy must be auto, ghost or per-example, not {strategy!r}")
         self.strategy = strategy
         self.last_plan: dict[str, str] = {}  # layer -> how its norms were computed (first batch)
+        # Reused patch buffers for ghost norms, one per shape: a fresh tens-of-MB allocation
+        # each step costs its page faults on the CPU (measured 13 ms vs 4 ms for a 38 MB copy).
+        self.workspace: dict[tuple, torch.Tensor] = {}
         self.records: dict[nn.Module, _Record] = {}
         self._switched_off: list[nn.Parameter] = []
         self._handles = []
@@ -202,7 +205,7 @@ class BookKeepingModule(nn.Module):
         wanted = {id(p) for p in params}
         total = None
         for rec in recs:
-            sq = _layer_norms_sq(rec, wanted, self.keep_elements, self.strategy)
+            sq = _layer_norms_sq(rec, wanted, self.keep_elements, self.strategy, self.workspace)
             total = sq if total is None else total + sq
         assert total is not None
         if not self.last_plan:
@@ -226,7 +229,9 @@ class BookKeepingModule(nn.Module):
         return rec.a.shape[0] if self.loss_reduction == "mean" else 1
 
 
-def _layer_norms_sq(rec: _Record, wanted: set[int], keep: int, strategy: str) -> torch.Tensor:
+def _layer_norms_sq(
+    rec: _Record, wanted: set[int], keep: int, strategy: str, workspace: dict[tuple, torch.Tensor]
+) -> torch.Tensor:
     """Squared per-example gradient norm of one layer's trained parameters (n,)."""
     module, a, g = rec.module, rec.a, rec.g
     assert g is not None
@@ -258,7 +263,7 @@ def _layer_norms_sq(rec: _Record, wanted: set[int], keep: int, strategy: str) ->
             parts.append(_keep(rec, b, g3.sum(1), keep))
     elif isinstance(module, nn.Conv2d):
         if want_w:
-            parts.append(_conv_weight_norms_sq(module, rec, w, keep, strategy))
+            parts.append(_conv_weight_norms_sq(module, rec, w, keep, strategy, workspace))
         if want_b:
             parts.append(_keep(rec, b, g.sum(dim=(2, 3)), keep))
     else:
@@ -287,7 +292,12 @@ def _ghost(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
 
 
 def _conv_weight_norms_sq(
-    module: nn.Conv2d, rec: _Record, w: torch.Tensor, keep: int, strategy: str
+    module: nn.Conv2d,
+    rec: _Record,
+    w: torch.Tensor,
+    keep: int,
+    strategy: str,
+    workspace: dict[tuple, torch.Tensor],
 ) -> torch.Tensor:
     """A Conv2d weight's per-example norms: ghost norm or per-example gradients, the cheaper.
 
@@ -311,7 +321,7 @@ def _conv_weight_norms_sq(
     cheaper = t * (d + p) < 1.5 * d * p
     if groups == 1 and (strategy == "ghost" or (strategy == "auto" and cheaper)):
         rec.strategy = "ghost"
-        return _ghost(_patches(module, a), g.reshape(n, c_out, t))
+        return _ghost(_patches(module, a, workspace), g.reshape(n, c_out, t))
     rec.strategy = "per-example"
     # Examples as groups: one grouped weight-gradient kernel gives every example's gradient.
     grads = _conv_weight_grad(
@@ -343,15 +353,28 @@ def _conv_weight_grad(
     )[1]
 
 
-def _patches(module: nn.Conv2d, a: torch.Tensor) -> torch.Tensor:
-    """Input patches (n, T, kh*kw*Cin) copied from a channels-last view (contiguous rows)."""
+def _patches(
+    module: nn.Conv2d, a: torch.Tensor, workspace: dict[tuple, torch.Tensor] | None = None
+) -> torch.Tensor:
+    """Input patches (n, T, kh*kw*Cin) copied from a channels-last view (contiguous rows).
+
+    With a `workspace` the copy goes into a buffer kept there for the shape; the result is only
+    valid until the next call with the same shape (ghost norms consume it at once).
+    """
     (kh, kw), (sh, sw), (dh, dw) = module.kernel_size, module.stride, module.dilation
     ph, pw = module.padding  # type: ignore[misc]
     x = F.pad(a, (pw, pw, ph, ph)).contiguous(memory_format=torch.channels_last)
     v = x.unfold(2, dh * (kh - 1) + 1, sh).unfold(3, dw * (kw - 1) + 1, sw)
     v = v[..., ::dh, ::dw]  # (n, C, Ho, Wo, kh, kw)
     n, c, ho, wo = v.shape[:4]
-    return v.permute(0, 2, 3, 4, 5, 1).reshape(n, ho * wo, kh * kw * c)
+    v = v.permute(0, 2, 3, 4, 5, 1)
+    if workspace is None:
+        return v.reshape(n, ho * wo, kh * kw * c)
+    key = (tuple(v.shape), v.dtype, v.device)
+    buf = workspace.get(key)
+    if buf is None:
+        buf = workspace[key] = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    return buf.copy_(v).view(n, ho * wo, kh * kw * c)
 
 
 def _norm_layer_grads(module: nn.Module, a: torch.Tensor, g: torch.Tensor):
