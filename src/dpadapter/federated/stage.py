@@ -45,7 +45,7 @@ from dpadapter.stages.job import seed_everything, training_job
 from dpadapter.strategies import FT, apply_phase, get_strategy, released_dims
 from dpadapter.train.checkpoint import load_model
 from dpadapter.train.loops import evaluate
-from dpadapter.train.per_sample import wrap_for_dp
+from dpadapter.train.per_sample import effective_mode, wrap_for_dp
 from dpadapter.train.progress import ProgressLine
 
 STRATEGY_NAMES = ("scratch", "ht", "ft", "ut")
@@ -309,6 +309,7 @@ def run(
             "noise_multiplier": noise_multiplier,
             "sample_rate": mech.sample_rate,
             "grad_sample_mode": cfg.finetune.grad_sample_mode,
+            "grad_sample_mode_run": effective_mode(cfg.finetune.grad_sample_mode, True),
             "task": task,
             "seed": seed,
         }
