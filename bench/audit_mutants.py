@@ -35,6 +35,21 @@ MUTANTS = {
 }
 
 
+def _row(label: str, eps: float, r: dict, t0: float) -> dict:
+    """One audited run as a table row, printed as it comes."""
+    row = {
+        "mutant": label,
+        "target_epsilon": eps,
+        "claimed_epsilon": round(r["claimed_epsilon"], 3),
+        "epsilon_lb": round(r["epsilon_lb"], 3),
+        "correct": f"{r['correct']}/{r['guesses']}",
+        "refuted": not r["within_claim"],
+        "seconds": round(time.time() - t0, 1),
+    }
+    print(json.dumps(row), flush=True)
+    return row
+
+
 def federated_noise_div10(cfg) -> list[dict]:
     """Federated Gaussian clients adding sigma/10 while their ledgers record sigma (client 0)."""
     import dpadapter.audit.federated as F
@@ -48,18 +63,7 @@ def federated_noise_div10(cfg) -> list[dict]:
         for eps in cfg.audit.epsilons:
             t0 = time.time()
             r = F.audit_federated_run(cfg, "gaussian", eps)
-            out.append(
-                {
-                    "mutant": "federated gaussian, noise / 10, ledgers record sigma",
-                    "target_epsilon": eps,
-                    "claimed_epsilon": round(r["claimed_epsilon"], 3),
-                    "epsilon_lb": round(r["epsilon_lb"], 3),
-                    "correct": f"{r['correct']}/{r['guesses']}",
-                    "refuted": not r["within_claim"],
-                    "seconds": round(time.time() - t0, 1),
-                }
-            )
-            print(json.dumps(out[-1]), flush=True)
+            out.append(_row("federated gaussian, noise / 10, ledgers record sigma", eps, r, t0))
     finally:
         F.plan_noise, MechanismRun.accounted_multiplier = plan, acc
     return out
@@ -82,19 +86,7 @@ def main() -> None:
         try:
             for eps in cfg.audit.epsilons:
                 t0 = time.time()
-                r = audit_run(cfg, name, eps)
-                rows.append(
-                    {
-                        "mutant": label,
-                        "target_epsilon": eps,
-                        "claimed_epsilon": round(r["claimed_epsilon"], 3),
-                        "epsilon_lb": round(r["epsilon_lb"], 3),
-                        "correct": f"{r['correct']}/{r['guesses']}",
-                        "refuted": not r["within_claim"],
-                        "seconds": round(time.time() - t0, 1),
-                    }
-                )
-                print(json.dumps(rows[-1]), flush=True)
+                rows.append(_row(label, eps, audit_run(cfg, name, eps), t0))
         finally:
             del ALGORITHMS[name]
     if not args.only or any("federated" in o for o in args.only):

@@ -130,6 +130,14 @@ def _roles(cfg: Config) -> list[tuple[str, SplitConfig]]:
     return [("public", cfg.public)] + [(f"tasks.{n}", t) for n, t in cfg.tasks.items()]
 
 
+NOT_METHOD = "{} is not in pretrain.methods"
+
+
+def _missing(where: str, names, known, message: str) -> list[str]:
+    """`where: message` (the name quoted into its `{}`) for each name that is not in `known`."""
+    return [f"{where}: {message.format(repr(n))}" for n in names if n not in known]
+
+
 def _name_problems(cfg: Config) -> list[str]:
     """Names resolved against the registries and the config's own lists."""
     problems = []
@@ -155,20 +163,14 @@ def _name_problems(cfg: Config) -> list[str]:
             f"pretrain.params.control.match: {match!r} has no SGD schedule to match; "
             f"one of {schedules}"
         )
-    for name in cfg.finetune.upstreams:
-        if name not in cfg.upstreams:
-            problems.append(f"finetune.upstreams: {name!r} is not in pretrain.methods")
+    problems += _missing("finetune.upstreams", cfg.finetune.upstreams, cfg.upstreams, NOT_METHOD)
     for i, g in enumerate(cfg.finetune.extra_grids):
         where = f"finetune.extra_grids.{i}"
-        for name in g.algorithms:
-            if name not in ALGORITHMS:
-                problems.append(f"{where}.algorithms: unknown algorithm {name!r}")
-        for name in g.upstreams:
-            if name not in cfg.upstreams:
-                problems.append(f"{where}.upstreams: {name!r} is not in pretrain.methods")
-        for name in g.tasks:
-            if name not in cfg.tasks:
-                problems.append(f"{where}.tasks: unknown task {name!r}")
+        problems += _missing(
+            f"{where}.algorithms", g.algorithms, ALGORITHMS, "unknown algorithm {}"
+        )
+        problems += _missing(f"{where}.upstreams", g.upstreams, cfg.upstreams, NOT_METHOD)
+        problems += _missing(f"{where}.tasks", g.tasks, cfg.tasks, "unknown task {}")
     if not cfg.model.name.startswith("timm:") and cfg.model.name not in MODEL_NAMES:
         problems.append(
             f"model.name: unknown model {cfg.model.name!r}; "
@@ -188,9 +190,7 @@ def _name_problems(cfg: Config) -> list[str]:
             problems += found
             if found:
                 break  # the other gammas fail the same way
-    for name in cfg.sweeps.tasks:
-        if name not in cfg.tasks:
-            problems.append(f"sweeps.tasks: unknown task {name!r}")
+    problems += _missing("sweeps.tasks", cfg.sweeps.tasks, cfg.tasks, "unknown task {}")
     if cfg.sweeps.algorithm not in ALGORITHMS:
         problems.append(f"sweeps.algorithm: unknown algorithm {cfg.sweeps.algorithm!r}")
     return list(dict.fromkeys(problems))
@@ -213,15 +213,10 @@ def _bookkeeping_problems(cfg: Config) -> list[str]:
 def _hpo_problems(cfg: Config) -> list[str]:
     """Cross-field checks of the `hpo` section (names, ranges, and a budget the trials fit in)."""
     h, out = cfg.hpo, []
-    for name in h.upstreams:
-        if name not in cfg.upstreams:
-            out.append(f"hpo.upstreams: {name!r} is not in pretrain.methods")
-    for name in h.tasks:
-        if name not in cfg.tasks:
-            out.append(f"hpo.tasks: unknown task {name!r}")
-    for name in h.algorithms:
-        if name not in ALGORITHMS:
-            out.append(f"hpo.algorithms: unknown algorithm {name!r}; known: {sorted(ALGORITHMS)}")
+    out += _missing("hpo.upstreams", h.upstreams, cfg.upstreams, NOT_METHOD)
+    out += _missing("hpo.tasks", h.tasks, cfg.tasks, "unknown task {}")
+    known = f"unknown algorithm {{}}; known: {sorted(ALGORITHMS)}"
+    out += _missing("hpo.algorithms", h.algorithms, ALGORITHMS, known)
     eps = list(h.sweep_epsilons)
     if eps != sorted(set(eps)):
         out.append("hpo.sweep_epsilons: must be strictly increasing")
@@ -242,9 +237,7 @@ def _federated_problems(cfg: Config) -> list[str]:
     f, out = cfg.federated, []
     if f.task is not None and f.task not in cfg.tasks:
         out.append(f"federated.task: unknown task {f.task!r}; known: {sorted(cfg.tasks)}")
-    for name in f.upstreams:
-        if name not in cfg.upstreams:
-            out.append(f"federated.upstreams: {name!r} is not in pretrain.methods")
+    out += _missing("federated.upstreams", f.upstreams, cfg.upstreams, NOT_METHOD)
     if "scratch" in f.strategies and "scratch" not in cfg.upstreams:
         out.append("federated.strategies: 'scratch' needs 'scratch' in pretrain.methods")
     if any(s != "scratch" for s in f.strategies) and not f.pretrained(cfg.upstreams):

@@ -72,26 +72,15 @@ def _skip_clip_optimizer(skip: int):
     return SkipClip
 
 
-class ClipSkippedForOneLayer(DPAlgorithm):
-    """Per-example clipping skipped for one parameter tensor (`skip`, Opacus' order)."""
+class ClipSkippedForWeight(DPAlgorithm):
+    """Per-example clipping skipped for the audit model's weight (where the canaries'
+    gradients live)."""
 
-    skip = 0
-
-    def make_optimizer(self, optimizer: torch.optim.Optimizer) -> DPOptimizer:
-        opt = _skip_clip_optimizer(self.skip)(
-            optimizer,
-            noise_multiplier=self.release_noise_multiplier(self.noise_multiplier(0)),
-            max_grad_norm=self.spec.max_grad_norm,
-            expected_batch_size=self.spec.expected_batch_size,
-            loss_reduction="mean",
-            generator=self.generator,
-        )
-        return self._attach(opt)
+    optimizer_class = _skip_clip_optimizer(0)
 
 
-class ClipSkippedForWeight(ClipSkippedForOneLayer):
-    skip = 0  # the audit model's weight: where the canaries' gradients live
+class ClipSkippedForBias(DPAlgorithm):
+    """Per-example clipping skipped for the bias (shared by every example, no canary
+    coordinate)."""
 
-
-class ClipSkippedForBias(ClipSkippedForOneLayer):
-    skip = 1  # the audit model's bias: shared by every example, no canary coordinate
+    optimizer_class = _skip_clip_optimizer(1)

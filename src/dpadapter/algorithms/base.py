@@ -120,6 +120,8 @@ class DPAlgorithm:
     # Whether the algorithm reads per-example gradients itself (not only Opacus' clipped sum):
     # `grad_sample_mode: bk` then runs Opacus' hooks (dpadapter.train.per_sample).
     needs_per_sample_gradients: ClassVar[bool] = False
+    # The Opacus optimizer class of the clip and noise phases (a subclass overrides one of them).
+    optimizer_class: ClassVar[type[DPOptimizer]] = DPOptimizer
 
     # JSON schema of `finetune.algo_params.<name>`: the config validation refuses a typo or a
     # wrong type before any job, and the constructor checks it again.
@@ -194,7 +196,7 @@ class DPAlgorithm:
 
     # --- optimizer phase (clip + noise) ------------------------------------------------------
     def make_optimizer(self, optimizer: torch.optim.Optimizer) -> DPOptimizer:
-        opt = DPOptimizer(
+        opt = self.optimizer_class(
             optimizer,
             noise_multiplier=self.release_noise_multiplier(self.noise_multiplier(0)),
             max_grad_norm=self.spec.max_grad_norm,
