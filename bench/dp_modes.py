@@ -22,7 +22,11 @@ A DP step is one logical batch: its physical batches each forward/backward and c
 then the noise and the update. The non-private step goes through the same physical batches and
 the same eager execution (nothing is compiled for any mode), so the ratios compare like with
 like. Steps are timed round-robin over the modes (one step of each mode per round) so that a
-change in machine load hits every mode alike; the figure is the median over rounds. On CUDA each
+change in machine load hits every mode alike; the figure is the median over rounds. Before each
+timed step, `--settle` untimed steps (default 1) of the same mode run: a training job runs one
+mode step after step, whereas the first step after another mode pays for that mode's caches and
+allocator state (on the CPU, cnn-gn's `bk` step read 1.68-1.90x with `--settle 0` and seven
+modes in the rotation, 1.38-1.45x with two). On CUDA each
 step is synchronised, and the peak memory allocated during a mode's steps is reported.
 
 Correctness: before timing, every DP mode's clipped gradient sum (`p.summed_grad`, noise 0) on a
@@ -243,6 +247,9 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device) -> di
     extra: dict[str, int] = dict.fromkeys(modes, 0)
     for r in range(args.warmup + args.steps):
         for m in modes:
+            for _ in range(args.settle):  # untimed: this mode's caches and allocations back
+                runners[m].step(x, y)
+                runners[m].release()
             _sync(device)
             if device.type == "cuda":
                 before = torch.cuda.memory_allocated(device)
@@ -280,6 +287,7 @@ def markdown(report: dict) -> str:
     lines = [
         f"device: {report['device_name']}, torch {report['torch']}, opacus {report['opacus']}, "
         f"threads {report['threads']}, median of {report['args']['steps']} steps"
+        f" (settle {report['args'].get('settle', 0)})"
         + (" (TINY smoke run: timings mean nothing)" if report["args"]["tiny"] else ""),
         "",
         "| model (input, batch / physical) | " + " | ".join(modes) + " | check |",
@@ -309,6 +317,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--modes", nargs="+", default=list(DP_MODES), choices=list(DP_MODES))
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument(
+        "--settle",
+        type=int,
+        default=1,
+        help="untimed steps of a mode just before each of its timed steps (0: none)",
+    )
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--tf32", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--check", action=argparse.BooleanOptionalAction, default=True)

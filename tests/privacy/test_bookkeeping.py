@@ -17,7 +17,12 @@ from torch import nn
 
 from dpadapter.config import ModelConfig
 from dpadapter.models import MODEL_NAMES, create_model
-from dpadapter.privacy.bookkeeping import BookKeepingModule, attach_bookkeeping
+from dpadapter.privacy.bookkeeping import (
+    BookKeepingModule,
+    _conv_per_example_grouped,
+    _conv_per_example_im2col,
+    attach_bookkeeping,
+)
 from dpadapter.train.per_sample import effective_mode, wrap_for_dp
 
 LOSS = nn.functional.cross_entropy
@@ -113,6 +118,39 @@ def test_clipped_sum_equals_the_per_example_reference(case, strategy):
     got = bk_sum(copy.deepcopy(model), x, y, c, strategy=strategy)
     err = float((got - ref).norm() / ref.norm())
     assert err < 1e-9, f"{case} ({strategy}): relative error {err:.3g}"
+
+
+CONVS = {  # (in, out, kernel, stride, padding, dilation, groups)
+    "stem": (1, 4, 3, 1, 1, 1, 1),
+    "rgb-stride": (3, 5, 3, 2, 1, 1, 1),
+    "dilated-rect": (2, 3, (2, 3), (1, 2), (2, 0), (2, 1), 1),
+    "grouped": (4, 6, 3, 1, 1, 1, 2),
+    "depthwise": (4, 4, 3, 1, 2, 2, 4),
+    "no-pad-1x1": (6, 2, 1, 1, 0, 1, 1),
+}
+
+
+@pytest.mark.parametrize("kernel", ["im2col", "grouped"])
+@pytest.mark.parametrize("conv", sorted(CONVS))
+def test_per_example_conv_gradients_match_autograd(conv, kernel):
+    """Both per-example kernels against one autograd weight gradient per example."""
+    c_in, c_out, k, stride, pad, dil, groups = CONVS[conv]
+    torch.manual_seed(0)
+    m = nn.Conv2d(c_in, c_out, k, stride, pad, dil, groups, bias=False).double()
+    a = torch.randn(5, c_in, 9, 8, dtype=torch.float64)
+    out = m(a)
+    g = torch.randn_like(out)
+    want = torch.stack(
+        [torch.autograd.grad(m(a[i : i + 1]), m.weight, g[i : i + 1])[0] for i in range(5)]
+    )
+    workspace: dict = {}
+    for _ in range(2):  # the second call reuses the workspace buffer
+        if kernel == "im2col":
+            got = _conv_per_example_im2col(m, a, g, workspace)
+        else:
+            got = _conv_per_example_grouped(m, a, g, m.weight)
+        assert got.shape == want.shape
+        assert torch.allclose(got, want, rtol=1e-10, atol=1e-12)
 
 
 def test_kept_and_recomputed_sums_agree():
