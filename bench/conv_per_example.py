@@ -9,11 +9,10 @@ the convolutions of the benchmarked models, in one process, median of `--repeats
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from functools import partial
 
 import torch
+from dp_step import _median_step  # bench/ is on sys.path when run as a script
 from torch import nn
 
 from dpadapter.privacy.bookkeeping import _conv_per_example_grouped, _conv_per_example_im2col
@@ -28,17 +27,6 @@ SHAPES = [
     (8, 16, 14, 200, 1, "the embedded CNN's second conv"),
     (32, 32, 28, 256, 32, "DPNAS' depthwise"),
 ]
-
-
-def _median_ms(f, repeats: int) -> float:
-    for _ in range(3):
-        f()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        f()
-        times.append(time.perf_counter() - t)
-    return 1000 * statistics.median(times)
 
 
 def main() -> None:
@@ -59,7 +47,7 @@ def main() -> None:
             "im2col": partial(_conv_per_example_im2col, m, a, g, workspace),
         }
         diff = float((kernels["grouped"]() - kernels["im2col"]()).abs().max())
-        ms = {k: _median_ms(f, args.repeats) for k, f in kernels.items()}
+        ms = {k: 1000 * _median_step(f, 3, args.repeats) for k, f in kernels.items()}
         label = f"{c_in} -> {c_out}, {side}x{side}, {n}, {groups}"
         label += f" ({where})" if where else ""
         print(f"| {label} | {ms['grouped']:.2f} ms | {ms['im2col']:.2f} ms | {diff:.1e} |")

@@ -335,12 +335,12 @@ def _conv_weight_norms_sq(
 
 # Per-example gradients of an ungrouped conv with up to this many input channels come from
 # im2col + a batched matrix product, of any other conv from the grouped weight-gradient kernel.
-# Measured on this CPU (2 threads, ms, grouped kernel vs im2col + bmm, batch 256 unless said):
-# 3->16 at 32x32 (ResNet20's stem) 31.8 vs 5.7; 4->16 at 28x28 19.0 vs 4.6; 1->64 at 28x28
-# (GNResNet-10's stem) 11.9 vs 6.2; 1->32 (DPNAS') 10.0 vs 2.7; 1->8, batch 200 (the embedded
-# CNN's) 2.0 vs 1.0; but 8->16 at 14x14 0.76 vs 1.40 and depthwise 32 groups at 28x28 3.4 vs
-# 29.7. The grouped kernel runs far below its FLOP rate when a group has few input channels;
-# bmm does when the matrices are tiny (one output channel per group).
+# Measured on this CPU (bench/conv_per_example.py, 2 threads, ms, grouped vs im2col + bmm,
+# batch 256 unless said): 3->16 at 32x32 (ResNet20's stem) 17.8 vs 6.1; 4->16 at 28x28 9.5 vs
+# 6.1; 1->64 (GNResNet-10's stem) 6.6 vs 6.7; 1->32 (DPNAS') 4.8 vs 3.5; 1->8, batch 200 (the
+# embedded CNN's) 1.28 vs 0.62; but 8->16 at 14x14 0.68 vs 1.43 and depthwise 32 groups at
+# 28x28 4.4 vs 34.4. The grouped kernel runs far below its FLOP rate when a group has few input
+# channels; bmm does when the matrices are tiny (one output channel per group).
 IM2COL_MAX_IN_CHANNELS = 4
 
 
