@@ -1,0 +1,54 @@
+"""The clipping-mode benchmark's own correctness gate runs in CI (timings there mean nothing).
+
+`bench/dp_modes.py` refuses to report a ratio for a mode whose clipped sum differs from the
+per-example loop; this runs that check for every mode on two registered models, and shows that
+a wrong clipped sum makes it fail.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+@pytest.fixture(scope="module")
+def dp_modes():
+    sys.path.insert(0, str(BENCH))
+    try:
+        import dp_modes as module
+    finally:
+        sys.path.remove(str(BENCH))
+    return module
+
+
+ARGS = ["--tiny", "--steps", "1", "--warmup", "0", "--settle", "1", "--threads", "1"]
+
+
+def test_every_mode_passes_the_check_and_gets_a_ratio(dp_modes, tmp_path):
+    assert dp_modes.main([*ARGS, "--models", "cnn-gn", "resnet20-gn", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "dp_modes.json").read_text())
+    assert [r["model"] for r in report["results"]] == ["cnn-gn", "resnet20-gn"]
+    for r in report["results"]:
+        assert r["check"]["ok"]
+        assert set(r["check"]["rel_error"]) == set(dp_modes.DP_MODES)
+        assert max(r["check"]["rel_error"].values()) < 1e-9
+        assert set(r["modes"]) == {"nonprivate", *dp_modes.DP_MODES}
+        assert all(m["ratio"] > 0 for m in r["modes"].values())
+    assert "| cnn-gn" in (tmp_path / "dp_modes.md").read_text()
+
+
+def test_a_wrong_clipped_sum_fails_the_run(dp_modes, monkeypatch, capsys):
+    real = dp_modes.Runner.clipped_sum
+
+    def off_by_one_percent(self):
+        got = real(self)
+        return got * 1.01 if self.mode == "bk" else got
+
+    monkeypatch.setattr(dp_modes.Runner, "clipped_sum", off_by_one_percent)
+    assert dp_modes.main([*ARGS, "--models", "cnn-gn", "--modes", "ew", "bk"]) == 1
+    assert "clipped-sum check FAILED for ['cnn-gn']" in capsys.readouterr().err
