@@ -9,17 +9,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-${OUT:-results/gpu}}"
 mkdir -p "$out"
-if [ -x .venv/bin/python ]; then
-  py=.venv/bin/python
-else
-  py=python3
-  if [ -d .whl ]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-      --target /tmp/site .whl/*.whl
-    export PYTHONPATH=/tmp/site
-  fi
-fi
-export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+# shellcheck source=bench/gpu_env.sh
+source bench/gpu_env.sh
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$out/nvidia_smi.csv"
 "$py" bench/gpu_smoke.py --out "$out/gpu_smoke.json"
 "$py" -m pytest -q -p no:xdist -p no:cacheprovider tests/test_device.py tests/train/test_batching.py \

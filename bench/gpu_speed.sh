@@ -5,15 +5,15 @@
 #
 #   bench/gpu_speed.sh [OUTDIR]      # default: $OUT, else bench-results/<host>-<UTC time>
 #
-# Environment: PYTHON (default .venv/bin/python, else python3), STEPS (CUDA, default 20),
+# Environment: PYTHON (default .venv/bin/python, else python3 + .whl/), STEPS (CUDA, default 20),
 # CPU_STEPS (default 10), CPU_MODELS, CUDA_MODELS, TINY=1 (smoke run of this script),
 # ALLOW_NO_CUDA=1 (CPU part only). Writes OUTDIR/{cuda,cpu}/dp_modes.{json,md}, the logs and
 # nvidia-smi's view of the node. Run nothing else on the node meanwhile.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-${OUT:-bench-results/$(hostname)-$(date -u +%Y%m%dT%H%M%SZ)}}"
-py="${PYTHON:-.venv/bin/python}"
-[ -x "$py" ] || py=python3
+# shellcheck source=bench/gpu_env.sh
+source bench/gpu_env.sh
 mkdir -p "$out"
 extra=()
 [ -n "${TINY:-}" ] && extra=(--tiny)  # smoke run of the script itself; timings mean nothing

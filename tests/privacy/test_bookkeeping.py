@@ -120,6 +120,21 @@ def test_clipped_sum_equals_the_per_example_reference(case, strategy):
     assert err < 1e-9, f"{case} ({strategy}): relative error {err:.3g}"
 
 
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device (CI has none; bench/gpu_smoke.sh)"
+)
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_clipped_sum_on_cuda_equals_the_cpu_reference(case):
+    """The same check on the GPU: cuDNN's kernels, the im2col path and the workspace there."""
+    model, shape, classes = CASES[case]()
+    model = model.double()
+    x, y = _data(shape, classes)
+    ref, c = reference(copy.deepcopy(model), x, y, None)
+    got = bk_sum(copy.deepcopy(model).cuda(), x.cuda(), y.cuda(), c).cpu()
+    err = float((got - ref).norm() / ref.norm())
+    assert err < 1e-9, f"{case} on CUDA: relative error {err:.3g}"
+
+
 CONVS = {  # (in, out, kernel, stride, padding, dilation, groups)
     "stem": (1, 4, 3, 1, 1, 1, 1),
     "rgb-stride": (3, 5, 3, 2, 1, 1, 1),

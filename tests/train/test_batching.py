@@ -23,6 +23,7 @@ from dpadapter.train.batching import (
     masked_cross_entropy,
     padded_size,
 )
+from dpadapter.train.per_sample import bind_optimizer, wrap_for_dp
 
 
 def _model(seed=0):
@@ -50,6 +51,34 @@ def test_padded_batch_gives_the_same_clipped_sum(mode):
             [p.grad_sample.reshape(len(yp), -1).norm(dim=1) for p in opt.params], dim=1
         ).norm(dim=1)
         assert torch.all(norms[7:] == 0), "padded rows must have exactly zero gradient"
+        opt.clip_and_accumulate()
+        sums.append(torch.cat([p.summed_grad.reshape(-1) for p in opt.params]))
+    assert torch.allclose(sums[0], sums[1], atol=1e-7, rtol=1e-5)
+    assert sums[0].abs().sum() > 0
+
+
+def test_padded_batch_gives_the_same_clipped_sum_under_bookkeeping():
+    """`bk` (the hand-written clipping): padded rows have zero norm and change no clipped sum."""
+    torch.manual_seed(0)
+    x, y = torch.randn(7, 1, 16, 16), torch.randint(0, 5, (7,))
+    sums = []
+    for pad in (0, 9):
+        bk = wrap_for_dp(_model(), "bk")
+        opt = bind_optimizer(
+            DPOptimizer(
+                torch.optim.SGD(bk.parameters(), lr=0.1),
+                noise_multiplier=0.0,
+                max_grad_norm=0.05,
+                expected_batch_size=7,
+            ),
+            bk,
+        )
+        xp = torch.cat([x, torch.zeros(pad, 1, 16, 16)])
+        yp = torch.cat([y, torch.full((pad,), PAD_LABEL)])
+        masked_cross_entropy(bk(xp), yp).backward()
+        norms = bk.per_sample_norms(opt.params)
+        assert len(norms) == 7 + pad and torch.all(norms[7:] == 0)
+        assert torch.all(norms[:7] > 0)
         opt.clip_and_accumulate()
         sums.append(torch.cat([p.summed_grad.reshape(-1) for p in opt.params]))
     assert torch.allclose(sums[0], sums[1], atol=1e-7, rtol=1e-5)
@@ -96,17 +125,19 @@ def test_shuffled_batches_equal_a_shuffling_data_loader():
 
 
 @pytest.mark.parametrize("algo", sorted(ALGORITHMS))
-@pytest.mark.parametrize("physical", [None, 16])
-def test_padding_changes_no_algorithm_update(algo, physical, tiny_cfg, monkeypatch):
+@pytest.mark.parametrize("physical,mode", [(None, "ew"), (16, "ew"), (16, "bk")])
+def test_padding_changes_no_algorithm_update(algo, physical, mode, tiny_cfg, monkeypatch):
     """Every registered algorithm: the same weights with padded and with unpadded batches.
 
     The padded run pads to `physical` rows (splitting larger Poisson batches into virtual
     steps) or, with None, to the automatic size; the reference uses the same physical limit
-    unpadded. Same sampling, same noise draws, so any difference is the padding's.
+    unpadded. Same sampling, same noise draws, so any difference is the padding's. `bk` (the
+    hand-written clipping, which the GPU runs pad for) is checked with virtual steps.
     """
-    cfg = dataclasses.replace(
-        tiny_cfg, finetune=dataclasses.replace(tiny_cfg.finetune, physical_batch_size=physical)
+    ft_cfg = dataclasses.replace(
+        tiny_cfg.finetune, physical_batch_size=physical, grad_sample_mode=mode
     )
+    cfg = dataclasses.replace(tiny_cfg, finetune=ft_cfg)
     _, roles = build_splits(cfg, ["syn-same"])
     train = roles["syn-same"].train
     spec = dataclasses.replace(run_spec(cfg, algo, 2.0, len(train)), epochs=1)
