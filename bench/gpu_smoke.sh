@@ -14,4 +14,5 @@ source bench/gpu_env.sh
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$out/nvidia_smi.csv"
 "$py" bench/gpu_smoke.py --out "$out/gpu_smoke.json"
 "$py" -m pytest -q -p no:xdist -p no:cacheprovider tests/test_device.py tests/train/test_batching.py \
+  tests/privacy/test_bookkeeping.py \
   2>&1 | tee "$out/gpu_pytest.log"
