@@ -24,9 +24,9 @@ the same eager execution (nothing is compiled for any mode), so the ratios compa
 like. Steps are timed round-robin over the modes (one step of each mode per round) so that a
 change in machine load hits every mode alike; the figure is the median over rounds. Before each
 timed step, `--settle` untimed steps (default 1) of the same mode run: a training job runs one
-mode step after step, whereas the first step after another mode pays for that mode's caches and
-allocator state (on the CPU, cnn-gn's `bk` step read 1.68-1.90x with `--settle 0` and seven
-modes in the rotation, 1.38-1.45x with two). On CUDA each
+mode step after step, so what it pays is a step that follows its own mode. (This did not remove
+the spread of the small CPU figures: cnn-gn's `bk` ratio moves 1.2-1.9x between identical
+processes either way; docs/speed.md measures it over several processes.) On CUDA each
 step is synchronised, and the peak memory allocated during a mode's steps is reported.
 
 Correctness: before timing, every DP mode's clipped gradient sum (`p.summed_grad`, noise 0) on a

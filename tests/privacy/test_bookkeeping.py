@@ -159,13 +159,31 @@ def test_per_example_conv_gradients_match_autograd(conv, kernel):
         [torch.autograd.grad(m(a[i : i + 1]), m.weight, g[i : i + 1])[0] for i in range(5)]
     )
     workspace: dict = {}
-    for _ in range(2):  # the second call reuses the workspace buffer
+    # Full batch, a smaller one (a prefix of the kept buffer), the full one again (reused).
+    for rows in (slice(0, 5), slice(1, 3), slice(0, 5)):
         if kernel == "im2col":
-            got = _conv_per_example_im2col(m, a, g, workspace)
+            got = _conv_per_example_im2col(m, a[rows], g[rows], workspace)
         else:
-            got = _conv_per_example_grouped(m, a, g, m.weight)
-        assert got.shape == want.shape
-        assert torch.allclose(got, want, rtol=1e-10, atol=1e-12)
+            got = _conv_per_example_grouped(m, a[rows], g[rows], m.weight)
+        assert got.shape == want[rows].shape
+        assert torch.allclose(got, want[rows], rtol=1e-10, atol=1e-12)
+    assert len(workspace) == (kernel == "im2col")
+
+
+def test_workspace_keeps_one_buffer_per_layer_layout_across_batch_sizes():
+    """Poisson batches change size every step: buffers are reused, not kept per size."""
+    model, shape, classes = CASES["resnet20-gn"]()
+    bk = BookKeepingModule(model)
+    params = [p for p in bk.parameters() if p.requires_grad]
+    sizes = []
+    for n in (6, 4, 9, 5, 9):
+        x, y = _data(shape, classes, n=n)
+        LOSS(bk(x.float()), y).backward()
+        bk.per_sample_norms(params)
+        bk.clear()
+        sizes.append(len(bk.workspace))
+    assert sizes[0] > 0 and len(set(sizes)) == 1, sizes
+    assert all(b.shape[0] == 9 for b in bk.workspace.values())
 
 
 def test_kept_and_recomputed_sums_agree():

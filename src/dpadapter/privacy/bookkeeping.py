@@ -377,12 +377,7 @@ def _conv_per_example_im2col(
     c_out, ho, wo = g.shape[1:]
     groups = module.groups
     x = F.pad(a, (pw, pw, ph, ph))
-    key = ("im2col", n, c_in, kh, kw, ho, wo, a.dtype, a.device)
-    buf = workspace.get(key) if workspace is not None else None
-    if buf is None:
-        buf = a.new_empty(n, c_in, kh, kw, ho, wo)
-        if workspace is not None:
-            workspace[key] = buf
+    buf = _buffer(workspace, "im2col", (n, c_in, kh, kw, ho, wo), a)
     for i in range(kh):
         for j in range(kw):
             rows = slice(i * dh, i * dh + sh * (ho - 1) + 1, sh)
@@ -418,8 +413,8 @@ def _patches(
 ) -> torch.Tensor:
     """Input patches (n, T, kh*kw*Cin) copied from a channels-last view (contiguous rows).
 
-    With a `workspace` the copy goes into a buffer kept there for the shape; the result is only
-    valid until the next call with the same shape (ghost norms consume it at once).
+    With a `workspace` the copy goes into a buffer kept there for the layout; the result is only
+    valid until the next call with the same layout (ghost norms consume it at once).
     """
     (kh, kw), (sh, sw), (dh, dw) = module.kernel_size, module.stride, module.dilation
     ph, pw = module.padding  # type: ignore[misc]
@@ -430,11 +425,28 @@ def _patches(
     v = v.permute(0, 2, 3, 4, 5, 1)
     if workspace is None:
         return v.reshape(n, ho * wo, kh * kw * c)
-    key = (tuple(v.shape), v.dtype, v.device)
-    buf = workspace.get(key)
-    if buf is None:
-        buf = workspace[key] = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    buf = _buffer(workspace, "patches", tuple(v.shape), a)
     return buf.copy_(v).view(n, ho * wo, kh * kw * c)
+
+
+def _buffer(
+    workspace: dict[tuple, torch.Tensor] | None,
+    kind: str,
+    shape: tuple[int, ...],
+    like: torch.Tensor,
+) -> torch.Tensor:
+    """A contiguous (n, ...) tensor from a buffer kept per layout and grown to the largest n.
+
+    Keyed without n: Poisson batches vary in size every step, and one buffer per size would
+    keep dozens of them alive. The first n rows of the kept buffer are contiguous.
+    """
+    if workspace is None:
+        return like.new_empty(shape)
+    key = (kind, shape[1:], like.dtype, like.device)
+    buf = workspace.get(key)
+    if buf is None or buf.shape[0] < shape[0]:
+        buf = workspace[key] = like.new_empty(shape)
+    return buf[: shape[0]]
 
 
 def _norm_layer_grads(module: nn.Module, a: torch.Tensor, g: torch.Tensor):
