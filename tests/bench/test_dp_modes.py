@@ -1,7 +1,8 @@
 """The clipping-mode benchmark's own correctness gate runs in CI (timings there mean nothing).
 
 `bench/dp_modes.py` refuses to report a ratio for a mode whose clipped sum differs from the
-per-example loop; this runs that check for every mode on two registered models, and shows that
+per-example loop; this runs that check for every mode on the embedded CNN (every registered model
+is checked against the same kind of loop in tests/privacy/test_bookkeeping.py), and shows that
 a wrong clipped sum makes it fail.
 """
 
@@ -30,9 +31,9 @@ ARGS = ["--tiny", "--steps", "1", "--warmup", "0", "--settle", "1", "--threads",
 
 
 def test_every_mode_passes_the_check_and_gets_a_ratio(dp_modes, tmp_path):
-    assert dp_modes.main([*ARGS, "--models", "cnn-gn", "resnet20-gn", "--out", str(tmp_path)]) == 0
+    assert dp_modes.main([*ARGS, "--models", "cnn-gn", "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "dp_modes.json").read_text())
-    assert [r["model"] for r in report["results"]] == ["cnn-gn", "resnet20-gn"]
+    assert [r["model"] for r in report["results"]] == ["cnn-gn"]
     for r in report["results"]:
         assert r["check"]["ok"]
         assert set(r["check"]["rel_error"]) == set(dp_modes.DP_MODES)
