@@ -53,6 +53,9 @@ class DataConfig:
     download: bool = False
     split_seed: int = 0
     image_size: int | None = None
+    # Fixed per-channel normalisation constants (public numbers, e.g. the ones a paper's code
+    # uses); None derives them from the public training images (dpadapter.data.tasks).
+    normalization: tuple[tuple[float, ...], tuple[float, ...]] | None = None
 
 
 @dataclass(frozen=True)
@@ -118,6 +121,10 @@ class FinetuneConfig:
     grad_sample_mode: str = "ew"
     physical_batch_size: int | None = None
     pad_batches: bool | str = "auto"  # pad physical batches to one shape: auto = on CUDA only
+    # How the Poisson rate q follows from batch_size (dpadapter.stages.finetune.sample_rate):
+    # "batch_size": q = batch_size / n; "loader": q = 1 / ceil(n / batch_size), what Opacus'
+    # make_private gives a DataLoader(batch_size) (the DP-SAT paper's code).
+    sample_rate_from: str = "batch_size"
     extra_grids: tuple[GridConfig, ...] = ()
     algo_params: dict[str, dict[str, Any]] = field(default_factory=dict)
     strategy: str = "ft"  # dpadapter.strategies: ft (all params), ht (head only), ut (HT, FT)
@@ -488,6 +495,18 @@ def validate_raw(raw: dict[str, Any], schema: dict[str, Any] | None = None) -> N
         raise ConfigError("invalid config:\n" + "\n".join(f"  {line}" for line in lines))
 
 
+def _data(raw: dict[str, Any]) -> DataConfig:
+    d = dict(raw)
+    norm = d.pop("normalization", None)
+    if norm is not None:
+        norm = (tuple(float(v) for v in norm["mean"]), tuple(float(v) for v in norm["std"]))
+        if len(norm[0]) != len(norm[1]):
+            raise ConfigError(
+                f"data.normalization: {len(norm[0])} mean(s) but {len(norm[1])} std(s)"
+            )
+    return DataConfig(**d, normalization=norm)
+
+
 def from_dict(raw: dict[str, Any], validate: bool = True) -> Config:
     if validate:
         validate_raw(raw)
@@ -501,7 +520,7 @@ def from_dict(raw: dict[str, Any], validate: bool = True) -> Config:
     )
     pre = raw.get("pretrain", {})
     cfg = Config(
-        data=DataConfig(**raw.get("data", {})),
+        data=_data(raw.get("data", {})),
         public=_split(raw["public"]),
         tasks={name: _split(t) for name, t in raw["tasks"].items()},
         model=ModelConfig(**raw.get("model", {})),

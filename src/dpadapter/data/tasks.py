@@ -5,8 +5,8 @@ tasks in config order, each taking examples not yet taken. So the public set (an
 pre-trained checkpoint) depends only on the public config, and a task drawn from the same source
 as the public set (Hypothesis 1 of the DPAdapter paper) is disjoint from it by construction.
 Validation examples come from a task's training pool; test examples only from the source's test
-split. Normalisation statistics come from the public training images alone, so no private
-statistic leaks into pre-processing.
+split. Normalisation statistics come from the public training images alone (or are fixed public
+constants, `data.normalization`), so no private statistic leaks into pre-processing.
 """
 
 from __future__ import annotations
@@ -154,9 +154,16 @@ def build_splits(
     pub_train = _split_pool(pools, pub.dataset, pub.train_split).images[pub.train]
     image_size = cfg.data.image_size or int(pub_train.shape[-1])
     x_pub = _to_float(pub_train, image_size)
-    mean = x_pub.mean(dim=(0, 2, 3))
-    std = x_pub.std(dim=(0, 2, 3)).clamp_min(1e-6)
     in_chans = int(x_pub.shape[1])
+    if cfg.data.normalization is None:
+        mean = x_pub.mean(dim=(0, 2, 3))
+        std = x_pub.std(dim=(0, 2, 3)).clamp_min(1e-6)
+    else:
+        mean, std = (torch.tensor(v, dtype=x_pub.dtype) for v in cfg.data.normalization)
+        if len(mean) != in_chans:
+            raise SplitError(
+                f"data.normalization has {len(mean)} channel(s), the images {in_chans}"
+            )
     plan = SplitPlan(allocs, mean, std, in_chans, image_size)
     del x_pub
 

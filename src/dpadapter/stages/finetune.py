@@ -33,20 +33,39 @@ from dpadapter.train.per_sample import bind_optimizer, effective_mode, wrap_for_
 from dpadapter.train.progress import ProgressLine
 
 
+def sample_rate(batch_size: int, n_train: int, rule: str) -> float:
+    """The Poisson rate q of a logical batch of expected size `batch_size`.
+
+    Two readings of "batch size B" exist in the DP literature's code: q = B / n (the expected
+    batch is B), and Opacus' `make_private` on a `DataLoader(batch_size=B)`, which samples at
+    q = 1 / len(loader) = 1 / ceil(n / B) (the DP-SAT paper's code: 48,000 examples and
+    B = 2048 give q = 1/24 and an expected batch of 2000). Either way the accountant sees q.
+    """
+    if rule == "loader":
+        return 1.0 / math.ceil(n_train / batch_size)
+    if rule == "batch_size":
+        return batch_size / n_train
+    raise ValueError(f"unknown finetune.sample_rate_from {rule!r}")
+
+
 def run_spec(cfg: Config, algo: str, eps: float, n_train: int) -> DPRunSpec:
     ft = cfg.finetune
     if ft.batch_size > n_train:
         raise ValueError(
             f"finetune.batch_size={ft.batch_size} exceeds the task's {n_train} training examples"
         )
-    q = ft.batch_size / n_train
+    q = sample_rate(ft.batch_size, n_train, ft.sample_rate_from)
     return DPRunSpec(
         target_epsilon=eps,
         delta=cfg.privacy.delta,
         sample_rate=q,
         steps_per_epoch=int(1 / q),  # what Opacus' DPDataLoader yields per epoch
         epochs=ft.epochs,
-        expected_batch_size=ft.batch_size,
+        # the mean batch n * q, by which Opacus divides the noisy sum: B itself, or under the
+        # loader reading n / ceil(n / B) rounded (2000 for n = 48,000 and B = 2048)
+        expected_batch_size=ft.batch_size
+        if ft.sample_rate_from == "batch_size"
+        else round(n_train * q),
         max_grad_norm=ft.max_grad_norm,
         accountant=cfg.privacy.accountant,
         params=dict(ft.algo_params.get(algo, {})),
