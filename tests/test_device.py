@@ -71,6 +71,7 @@ def test_device_cpu_jobs_never_touch_cuda(tiny_cfg, tmp_path, monkeypatch):
     )
     m = json.loads((tmp_path / "ft" / "metrics.json").read_text())
     assert m["device"]["device"] == "cpu" and m["device"]["torch"] == torch.__version__
+    assert m["device"]["peak_memory_mib"] is None  # a GPU figure only where a GPU ran
 
 
 def test_the_guard_sees_an_auto_job_asking_for_cuda(tiny_cfg, tmp_path, monkeypatch):
@@ -93,6 +94,7 @@ def test_dp_job_on_cuda_keeps_the_ledger_and_resumes(algo, tiny_cfg, tmp_path, m
     ckpt = tmp_path / "pre" / "model.pt"
     full = finetune.run(cfg, "scratch", "syn-shift", algo, 2.0, 0, ckpt, tmp_path / "full")
     assert full["device"]["device"].startswith("cuda")
+    assert full["device"]["peak_memory_mib"] > 0
     p = full["privacy"]
     hist = [Segment(**s) for s in p["history"]]
     assert p["epsilon"] == pytest.approx(epsilon_from_history(hist, p["delta"], p["accountant"]))

@@ -173,6 +173,25 @@ def test_missing_fashion_mnist_is_reported(tmp_path, monkeypatch):
         validate(raw, check_files=True)
 
 
+def test_fashion_mnist_from_a_carried_folder(tmp_path, monkeypatch):
+    """$FMNIST_DIR stands in for Debian's package (a GPU image without apt; bench/gpu_env.sh)."""
+    import gzip
+
+    from dpadapter.data import sources
+
+    monkeypatch.setattr(sources, "DEBIAN_FASHION_MNIST", tmp_path / "no-debian")
+    carried = tmp_path / "carried"
+    carried.mkdir()
+    monkeypatch.setenv(sources.FMNIST_ENV, str(carried))
+    assert "$FMNIST_DIR" in missing_files("fashion-mnist", tmp_path / "root", download=False)
+    for f in sources._FMNIST_FILES:
+        with gzip.open(carried / f"{f}.gz", "wb") as out:
+            out.write(f.encode())
+    assert missing_files("fashion-mnist", tmp_path / "root", download=False) is None
+    raw = sources.prepare_fashion_mnist(tmp_path / "root", download=False)
+    assert [(raw / f).read_text() for f in sources._FMNIST_FILES] == list(sources._FMNIST_FILES)
+
+
 # --- privacy -----------------------------------------------------------------------------------
 
 

@@ -116,3 +116,18 @@ def place(data: TensorDataset, device: torch.device) -> TensorDataset:
 def to(x: torch.Tensor, device: torch.device) -> torch.Tensor:
     """Host-to-device copy that overlaps compute when the source is pinned."""
     return x.to(device, non_blocking=x.is_pinned())
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_memory_mib(device: torch.device) -> float | None:
+    """Largest GPU memory the job's tensors held (PyTorch's allocator), in MiB; None off CUDA.
+
+    Recorded per job so that a cell's memory stands beside its accuracy and wall time (the
+    allocator's own figure: the CUDA context and cached free blocks are not counted)."""
+    if device.type != "cuda":
+        return None
+    return round(torch.cuda.max_memory_allocated(device) / 2**20, 1)

@@ -8,6 +8,7 @@ cluster has internet, otherwise the error names the files to place under `data.r
 from __future__ import annotations
 
 import gzip
+import os
 import shutil
 from pathlib import Path
 
@@ -18,6 +19,16 @@ from dpadapter.compat.torchvision_ops import import_torchvision
 from dpadapter.data.registry import ArraySplit, DatasetInfo, DatasetUnavailable, register_dataset
 
 DEBIAN_FASHION_MNIST = Path("/usr/share/datasets/fashion-mnist")
+# A folder holding the four .gz files where Debian's package is absent (a GPU image without
+# apt, a cluster node): the GPU scripts carry the data there (bench/gpu_env.sh).
+FMNIST_ENV = "FMNIST_DIR"
+
+
+def fashion_mnist_source() -> Path:
+    """Where the .gz files are read from: $FMNIST_DIR when set, else Debian's folder."""
+    return Path(os.environ.get(FMNIST_ENV) or DEBIAN_FASHION_MNIST)
+
+
 _FMNIST_FILES = (
     "train-images-idx3-ubyte",
     "train-labels-idx1-ubyte",
@@ -45,6 +56,7 @@ def _missing(name: str, root: Path, files: list[str], hint: str) -> DatasetUnava
 
 _FMNIST_HINT = (
     "install Debian's dataset-fashion-mnist (apt-get install dataset-fashion-mnist), "
+    f"or point ${FMNIST_ENV} at a folder with its four .gz files, "
     "or set data.download: true where there is internet."
 )
 
@@ -58,17 +70,16 @@ def _fmnist_missing(raw: Path, debian_dir: Path) -> tuple[list[str], bool]:
 def fashion_mnist_missing(root: Path, download: bool, debian_dir: Path | None = None) -> str | None:
     """The message `prepare_fashion_mnist` would raise, found without touching any file."""
     raw = root / "FashionMNIST" / "raw"
-    missing, from_debian = _fmnist_missing(raw, debian_dir or DEBIAN_FASHION_MNIST)
+    missing, from_debian = _fmnist_missing(raw, debian_dir or fashion_mnist_source())
     if not missing or from_debian or download:
         return None
     return str(_missing("fashion-mnist", raw, missing, _FMNIST_HINT))
 
 
-def prepare_fashion_mnist(
-    root: Path, download: bool, debian_dir: Path = DEBIAN_FASHION_MNIST
-) -> Path:
+def prepare_fashion_mnist(root: Path, download: bool, debian_dir: Path | None = None) -> Path:
     """Put the raw idx files where torchvision looks (`<root>/FashionMNIST/raw/`)."""
     raw = root / "FashionMNIST" / "raw"
+    debian_dir = debian_dir or fashion_mnist_source()
     missing, from_debian = _fmnist_missing(raw, debian_dir)
     if missing and from_debian:
         raw.mkdir(parents=True, exist_ok=True)

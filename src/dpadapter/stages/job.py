@@ -62,6 +62,7 @@ def training_job(
         "wildcards": wildcards,
         "device": devices.describe(dev),
     }
+    devices.reset_peak_memory(dev)
     t0 = time.time()
     with tracking.start_run(
         cfg.tracking, run_name=name, tags=tags, run_id=resume_run_id, results_dir=cfg.results_dir
@@ -73,9 +74,12 @@ def training_job(
         run.log_new({k: v for k, v in known.items() if k in _KNOWN_AT_START}, {})
         yield run, metrics
         metrics["wall_time_s"] = round(time.time() - t0, 2)
+        metrics["device"]["peak_memory_mib"] = devices.peak_memory_mib(dev)
         metrics["host"] = platform.node()
         path = out_dir / "metrics.json"
         write_json(path, metrics)
         run.log_metrics({"wall_time_s": metrics["wall_time_s"]})
+        if metrics["device"]["peak_memory_mib"] is not None:
+            run.log_metrics({"peak_gpu_memory_mib": metrics["device"]["peak_memory_mib"]})
         run.log_new(*tracking.dp_summary(metrics))
         run.log_artifact(path)
