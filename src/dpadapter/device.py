@@ -113,6 +113,19 @@ def place(data: TensorDataset, device: torch.device) -> TensorDataset:
     return TensorDataset(*(t.pin_memory() for t in data.tensors))
 
 
+def onto(
+    t: torch.Tensor | None, device: torch.device | None, dtype: torch.dtype | None = None
+) -> torch.Tensor | None:
+    """A restored state tensor where the parameters are: resume states are read onto the CPU
+    (a CUDA node may write what another node, or the CPU, reads), and a CPU tensor kept next to
+    CUDA weights fails at the next step. Floating tensors also take the parameters' dtype (they
+    mirror a parameter or an input of the model); integer ones (labels, indices) keep theirs.
+    None (no tensor, or no device/dtype given) leaves things as they are."""
+    if t is None:
+        return None
+    return t.to(device=device, dtype=dtype if t.is_floating_point() else None)
+
+
 def to(x: torch.Tensor, device: torch.device) -> torch.Tensor:
     """Host-to-device copy that overlaps compute when the source is pinned."""
     return x.to(device, non_blocking=x.is_pinned())

@@ -144,7 +144,9 @@ def dp_train(
     if resume is not None:
         model.load_state_dict(resume["model"])
         base_opt.load_state_dict(resume["optimizer"])
-        algo.load_state_dict(resume["algorithm"])
+        # read onto the CPU (finetune.run): the algorithm's tensors follow the parameters
+        first = next(model.parameters())
+        algo.load_state_dict(resume["algorithm"], device=first.device, dtype=first.dtype)
         ledger.history = PrivacyLedger.from_state_dict(resume["ledger"]).history
         noise_gen.set_state(resume["noise_rng"])
         sample_gen.set_state(resume["sample_rng"])

@@ -81,6 +81,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from dpadapter.config import SGDConfig
+from dpadapter.device import onto
 from dpadapter.param_schema import (
     FRACTION,
     NON_NEGATIVE,
@@ -329,11 +330,17 @@ class PerturbedStep:
             "stats": dataclasses.asdict(self.stats),
         }
 
-    def load_state_dict(self, state: dict[str, Any], device: torch.device | None = None) -> None:
+    def load_state_dict(
+        self,
+        state: dict[str, Any],
+        device: torch.device | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        """Delta goes to the parameters' device and dtype (it is added to them); B1's indices
+        stay on the CPU, where the sampler draws them."""
         self.steps = int(state["steps"])
-        self.last_delta = (
-            None if state["last_delta"] is None else [d.to(device) for d in state["last_delta"]]
-        )
+        delta = state["last_delta"]
+        self.last_delta = None if delta is None else [onto(d, device, dtype) for d in delta]
         self.last_b1 = state["last_b1"]
         if self.sampler is not None and state["sampler_rng"] is not None:
             self.sampler.generator.set_state(state["sampler_rng"])
@@ -399,10 +406,15 @@ class EMAPerturbedStep(PerturbedStep):
         out["average"] = None if self.average is None else [a.cpu() for a in self.average]
         return out
 
-    def load_state_dict(self, state: dict[str, Any], device: torch.device | None = None) -> None:
-        super().load_state_dict(state, device)
+    def load_state_dict(
+        self,
+        state: dict[str, Any],
+        device: torch.device | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().load_state_dict(state, device, dtype)
         avg = state.get("average")
-        self.average = None if avg is None else [a.to(device) for a in avg]
+        self.average = None if avg is None else [onto(a, device, dtype) for a in avg]
 
 
 _SCHEDULE_DEFAULTS: dict[str, Any] = {
