@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import os
 import platform
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -65,6 +67,27 @@ def configure(device: torch.device, tf32: bool = True) -> None:
     torch.backends.cuda.matmul.allow_tf32 = tf32
     torch.backends.cudnn.allow_tf32 = tf32
     torch.backends.cudnn.benchmark = True
+
+
+@contextmanager
+def full_fp32() -> Iterator[None]:
+    """Full-FP32 matmuls and convolutions inside (no TF32), the previous settings restored after.
+
+    DP clipping takes each example's gradient norm with one kernel and the clipped sum with
+    another; TF32 rounds the inputs of the second to a 10-bit mantissa, so a clipped example
+    could add up to ~1e-3 (relative) more than C to the sum, past the sensitivity the
+    accountant assumes. In FP32 both agree to FP32 rounding, as they do on the CPU. The flags
+    are process-wide, so they are restored whatever happens inside (an exception too).
+    """
+    matmul = torch.get_float32_matmul_precision()
+    conv = torch.backends.cudnn.allow_tf32
+    torch.set_float32_matmul_precision("highest")
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(matmul)
+        torch.backends.cudnn.allow_tf32 = conv
 
 
 def describe(device: torch.device) -> dict[str, Any]:
