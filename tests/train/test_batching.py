@@ -12,8 +12,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from dpadapter.algorithms import ALGORITHMS
 from dpadapter.config import ModelConfig
-from dpadapter.device import full_fp32
 from dpadapter.data import build_splits
+from dpadapter.device import full_fp32
 from dpadapter.models import create_model, replace_head
 from dpadapter.stages.finetune import dp_train, run_spec
 from dpadapter.train.batching import (
