@@ -117,7 +117,8 @@ class FinetuneConfig:
     max_grad_norm: float = 1.0
     grad_sample_mode: str = "ew"
     physical_batch_size: int | None = None
-    pad_batches: bool | str = "auto"  # pad physical batches to one shape: auto = on CUDA only
+    # pad physical batches (and federated clients' samples) to one shape: auto = on CUDA only
+    pad_batches: bool | str = "auto"
     extra_grids: tuple[GridConfig, ...] = ()
     algo_params: dict[str, dict[str, Any]] = field(default_factory=dict)
     strategy: str = "ft"  # dpadapter.strategies: ft (all params), ht (head only), ut (HT, FT)

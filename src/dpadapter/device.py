@@ -152,3 +152,28 @@ def onto(
 def to(x: torch.Tensor, device: torch.device) -> torch.Tensor:
     """Host-to-device copy that overlaps compute when the source is pinned."""
     return x.to(device, non_blocking=x.is_pinned())
+
+
+def gather(src: torch.Tensor, rows: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`src[rows]` on `device`, for batches drawn from a dataset that `place` left on the host.
+
+    Indexing pinned memory returns pageable memory, whose copy to the GPU blocks; so rows of a
+    pinned source are gathered into a fresh pinned buffer and copied asynchronously. PyTorch's
+    pinned-memory allocator caches those buffers and does not hand one out again before its
+    copy has finished, so a buffer per batch is cheap and safe.
+    """
+    if src.device.type != "cpu":
+        return to(src[rows.to(src.device)], device)
+    if not _is_pinned(src):
+        return to(src[rows], device)
+    buf = _pinned_empty((len(rows), *src.shape[1:]), src.dtype)
+    torch.index_select(src, 0, rows, out=buf)
+    return buf.to(device, non_blocking=True)
+
+
+def _is_pinned(t: torch.Tensor) -> bool:
+    return t.is_pinned()
+
+
+def _pinned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, pin_memory=True)

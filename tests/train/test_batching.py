@@ -152,3 +152,41 @@ def test_padding_changes_no_algorithm_update(algo, physical, mode, tiny_cfg, mon
         assert torch.allclose(wa[k], wb[k], atol=1e-5, rtol=1e-4), (algo, k)
     if algo == "adpclip":  # the count excludes padded rows, so the clip bound evolves alike
         assert da["noise_multiplier"] == db["noise_multiplier"]
+
+
+@pytest.mark.parametrize("kind", ["poisson-padded", "shuffled"])
+def test_rows_of_a_pinned_dataset_are_gathered_into_pinned_buffers(kind, monkeypatch):
+    """A dataset left in pinned host memory (too large for the GPU): each batch is gathered
+    into a pinned buffer (so its copy is asynchronous), with the rows plain indexing gives.
+    Pinning needs CUDA, so the CPU test forces the pinned path and records the buffers."""
+    import dpadapter.device as devices
+
+    data = TensorDataset(torch.randn(120, 3, 2), torch.arange(120))
+    cpu = torch.device("cpu")
+
+    def batches():
+        g = torch.Generator().manual_seed(5)
+        if kind == "shuffled":
+            return list(ShuffledBatches(data, 16, g, cpu))
+
+        class _Opt:
+            def signal_skip_step(self, do_skip):
+                pass
+
+        return list(PoissonBatches(data, 0.1, g, cpu, 24, True, _Opt()))
+
+    reference = batches()
+    staged: list[torch.Tensor] = []
+
+    def pinned_empty(shape, dtype):
+        staged.append(torch.empty(shape, dtype=dtype))
+        return staged[-1]
+
+    monkeypatch.setattr(devices, "_is_pinned", lambda t: True)
+    monkeypatch.setattr(devices, "_pinned_empty", pinned_empty)
+    forced = batches()
+    assert len(staged) == 2 * len(reference), "every batch's x and y go through a pinned buffer"
+    for (xa, ya), (xb, yb) in zip(reference, forced, strict=True):
+        assert torch.equal(xa, xb) and torch.equal(ya, yb)
+    if kind == "shuffled":  # unpadded: what is yielded is the pinned buffer itself
+        assert all(any(x is s for s in staged) for x, _ in forced)
