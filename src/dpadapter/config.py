@@ -120,7 +120,8 @@ class FinetuneConfig:
     max_grad_norm: float = 1.0
     grad_sample_mode: str = "ew"
     physical_batch_size: int | None = None
-    pad_batches: bool | str = "auto"  # pad physical batches to one shape: auto = on CUDA only
+    # pad physical batches (and federated clients' samples) to one shape: auto = on CUDA only
+    pad_batches: bool | str = "auto"
     # How the Poisson rate q follows from batch_size (dpadapter.stages.finetune.sample_rate):
     # "batch_size": q = batch_size / n; "loader": q = 1 / ceil(n / batch_size), what Opacus'
     # make_private gives a DataLoader(batch_size) (the DP-SAT paper's code).

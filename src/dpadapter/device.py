@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import os
 import platform
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -67,6 +69,27 @@ def configure(device: torch.device, tf32: bool = True) -> None:
     torch.backends.cudnn.benchmark = True
 
 
+@contextmanager
+def full_fp32() -> Iterator[None]:
+    """Full-FP32 matmuls and convolutions inside (no TF32), the previous settings restored after.
+
+    DP clipping takes each example's gradient norm with one kernel and the clipped sum with
+    another; TF32 rounds the inputs of the second to a 10-bit mantissa, so a clipped example
+    could add up to ~1e-3 (relative) more than C to the sum, past the sensitivity the
+    accountant assumes. In FP32 both agree to FP32 rounding, as they do on the CPU. The flags
+    are process-wide, so they are restored whatever happens inside (an exception too).
+    """
+    matmul = torch.get_float32_matmul_precision()
+    conv = torch.backends.cudnn.allow_tf32
+    torch.set_float32_matmul_precision("highest")
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(matmul)
+        torch.backends.cudnn.allow_tf32 = conv
+
+
 def describe(device: torch.device) -> dict[str, Any]:
     """What metrics.json and MLflow record about where a job ran."""
     out: dict[str, Any] = {
@@ -113,6 +136,19 @@ def place(data: TensorDataset, device: torch.device) -> TensorDataset:
     return TensorDataset(*(t.pin_memory() for t in data.tensors))
 
 
+def onto(
+    t: torch.Tensor | None, device: torch.device | None, dtype: torch.dtype | None = None
+) -> torch.Tensor | None:
+    """A restored state tensor where the parameters are: resume states are read onto the CPU
+    (a CUDA node may write what another node, or the CPU, reads), and a CPU tensor kept next to
+    CUDA weights fails at the next step. Floating tensors also take the parameters' dtype (they
+    mirror a parameter or an input of the model); integer ones (labels, indices) keep theirs.
+    None (no tensor, or no device/dtype given) leaves things as they are."""
+    if t is None:
+        return None
+    return t.to(device=device, dtype=dtype if t.is_floating_point() else None)
+
+
 def to(x: torch.Tensor, device: torch.device) -> torch.Tensor:
     """Host-to-device copy that overlaps compute when the source is pinned."""
     return x.to(device, non_blocking=x.is_pinned())
@@ -131,3 +167,28 @@ def peak_memory_mib(device: torch.device) -> float | None:
     if device.type != "cuda":
         return None
     return round(torch.cuda.max_memory_allocated(device) / 2**20, 1)
+
+
+def gather(src: torch.Tensor, rows: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`src[rows]` on `device`, for batches drawn from a dataset that `place` left on the host.
+
+    Indexing pinned memory returns pageable memory, whose copy to the GPU blocks; so rows of a
+    pinned source are gathered into a fresh pinned buffer and copied asynchronously. PyTorch's
+    pinned-memory allocator caches those buffers and does not hand one out again before its
+    copy has finished, so a buffer per batch is cheap and safe.
+    """
+    if src.device.type != "cpu":
+        return to(src[rows.to(src.device)], device)
+    if not _is_pinned(src):
+        return to(src[rows], device)
+    buf = _pinned_empty((len(rows), *src.shape[1:]), src.dtype)
+    torch.index_select(src, 0, rows, out=buf)
+    return buf.to(device, non_blocking=True)
+
+
+def _is_pinned(t: torch.Tensor) -> bool:
+    return t.is_pinned()
+
+
+def _pinned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, pin_memory=True)

@@ -109,3 +109,34 @@ def test_ut_switches_from_head_to_full_at_t1():
     assert moved == [False, False, True, True, True]
     assert [a["dim"] for a in clients[0].audit] == [n_head] * 2 + [n_all] * 3
     assert clients[0].ledger.steps == 5
+
+
+def test_padded_poisson_samples_release_the_same_updates():
+    """Clients padding their Poisson samples to one shape (as on CUDA) train exactly as clients
+    that do not: padded rows have zero gradient, so clipped sums, noise and updates agree."""
+    datasets = [make_data(n, seed=i) for i, n in enumerate((30, 45, 60))]
+    mech = MechanismRun("gaussian", 0.05, 0.8, 0.3, lr=0.5, delta=1e-5)  # every example clipped
+    out = []
+    for pad in (False, True):
+        model, gsm = make_gsm(0)
+        clients = [Client(i, d, mech, seed=0, pad=pad) for i, d in enumerate(datasets)]
+        for c in clients:
+            c.audit = []
+        shapes: list[int] = []
+        hook = model.register_forward_pre_hook(lambda m, a, s=shapes: s.append(len(a[0])))
+        fed = Federation(gsm, clients, get_strategy("ft").schedule(4), local_steps=2)
+        fed.run()
+        hook.remove()
+        sizes = [c.pad_to for c in clients]
+        out.append((model, clients, shapes, sizes, fed.trace))
+    (plain, c0, s0, p0, t0), (padded, c1, s1, p1, t1) = out
+    assert p0 == [None] * 3 and all(p is not None for p in p1)
+    assert set(s1) <= set(p1) and len(set(s0)) > len(set(s1)), "samples were not padded"
+    assert _close(plain, padded)
+    assert not _close(plain, _plain(0))
+    for a, b in zip(c0, c1, strict=True):
+        assert a.ledger.history == b.ledger.history
+        for ra, rb in zip(a.audit, b.audit, strict=True):
+            assert torch.allclose(ra["noise"], rb["noise"], atol=1e-6)
+    for ra, rb in zip(t0, t1, strict=True):
+        assert ra["train_loss"] == pytest.approx(rb["train_loss"], rel=1e-5)

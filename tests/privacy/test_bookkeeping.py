@@ -273,3 +273,61 @@ def test_algorithms_reading_per_example_gradients_run_hooks():
     assert not isinstance(wrap_for_dp(model, "bk", True), BookKeepingModule)
     with pytest.raises(ValueError, match="unknown grad_sample_mode"):
         effective_mode("ghost", False)
+
+
+def _tf32_flags() -> tuple[str, bool]:
+    return torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
+
+
+@pytest.fixture
+def tf32_on():
+    """TF32 allowed, as `devices.configure` leaves a CUDA job (the flags are global: CPU too)."""
+    before = _tf32_flags()
+    torch.set_float32_matmul_precision("high")
+    torch.backends.cudnn.allow_tf32 = True
+    yield
+    torch.set_float32_matmul_precision(before[0])
+    torch.backends.cudnn.allow_tf32 = before[1]
+
+
+def test_clipping_runs_in_full_fp32_and_restores_the_flags(tf32_on, monkeypatch):
+    """Norms and clipped sums both see TF32 off; the job's flags come back after the clip."""
+    import dpadapter.privacy.bookkeeping as bkmod
+
+    seen: dict[str, tuple[str, bool]] = {}
+    for name in ("_layer_norms_sq", "_layer_sums"):
+        real = getattr(bkmod, name)
+
+        def spy(*a, _real=real, _name=name, **k):
+            seen[_name] = _tf32_flags()
+            return _real(*a, **k)
+
+        monkeypatch.setattr(bkmod, name, spy)
+    model, shape, classes = CASES["cnn-gn"]()
+    x, y = _data(shape, classes)
+    got = bk_sum(model, x.float(), y, 0.1)
+    assert got.abs().sum() > 0
+    assert seen == {
+        "_layer_norms_sq": ("highest", False),
+        "_layer_sums": ("highest", False),
+    }, seen
+    assert _tf32_flags() == ("high", True), "the clip must restore the job's TF32 setting"
+
+
+def test_the_flags_are_restored_when_clipping_fails(tf32_on):
+    model, shape, classes = CASES["cnn-gn"]()
+    bk = BookKeepingModule(model)
+    opt = attach_bookkeeping(
+        DPOptimizer(
+            torch.optim.SGD(bk.parameters(), lr=0.0),
+            noise_multiplier=0.0,
+            max_grad_norm=1.0,
+            expected_batch_size=4,
+        ),
+        bk,
+    )
+    x, _ = _data(shape, classes, n=4)
+    bk(x.float())  # no backward: the clip raises
+    with pytest.raises(RuntimeError, match="before the backward"):
+        opt.clip_and_accumulate()
+    assert _tf32_flags() == ("high", True)

@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from dpadapter.algorithms import ALGORITHMS
 from dpadapter.config import ModelConfig
 from dpadapter.data import build_splits
+from dpadapter.device import full_fp32
 from dpadapter.models import create_model, replace_head
 from dpadapter.stages.finetune import dp_train, run_spec
 from dpadapter.train.batching import (
@@ -25,10 +26,19 @@ from dpadapter.train.batching import (
 from dpadapter.train.per_sample import bind_optimizer, wrap_for_dp
 
 
+@pytest.fixture
+def no_tf32():
+    """Padded and unpadded runs must agree to float rounding: on a GPU, TF32's 10-bit inputs
+    would make them differ by far more (its flags are global, so pinned off here)."""
+    with full_fp32():
+        yield
+
+
 def _model(seed=0):
     return create_model(ModelConfig("cnn-gn", 4, 8), num_classes=5, in_chans=1, seed=seed)
 
 
+@pytest.mark.usefixtures("no_tf32")
 @pytest.mark.parametrize("mode", ["hooks", "ew", "functorch", "bk"])
 def test_padded_batch_gives_the_same_clipped_sum(mode):
     torch.manual_seed(0)
@@ -130,8 +140,8 @@ def test_padding_changes_no_algorithm_update(algo, physical, mode, tiny_cfg, mon
     monkeypatch.setattr(ft, "dp_batches", PoissonBatches)
     out = []
     for pad in (False, True):
-        run_cfg = dataclasses.replace(
-            cfg, finetune=dataclasses.replace(cfg.finetune, pad_batches=pad)
+        run_cfg = dataclasses.replace(  # tf32 off: dp_train sets the flags from the config
+            cfg, tf32=False, finetune=dataclasses.replace(cfg.finetune, pad_batches=pad)
         )
         model = copy.deepcopy(start)
         algo_run, ledger = dp_train(model, train, algo, spec, run_cfg, seed=0, max_steps=max_steps)
@@ -142,3 +152,41 @@ def test_padding_changes_no_algorithm_update(algo, physical, mode, tiny_cfg, mon
         assert torch.allclose(wa[k], wb[k], atol=1e-5, rtol=1e-4), (algo, k)
     if algo == "adpclip":  # the count excludes padded rows, so the clip bound evolves alike
         assert da["noise_multiplier"] == db["noise_multiplier"]
+
+
+@pytest.mark.parametrize("kind", ["poisson-padded", "shuffled"])
+def test_rows_of_a_pinned_dataset_are_gathered_into_pinned_buffers(kind, monkeypatch):
+    """A dataset left in pinned host memory (too large for the GPU): each batch is gathered
+    into a pinned buffer (so its copy is asynchronous), with the rows plain indexing gives.
+    Pinning needs CUDA, so the CPU test forces the pinned path and records the buffers."""
+    import dpadapter.device as devices
+
+    data = TensorDataset(torch.randn(120, 3, 2), torch.arange(120))
+    cpu = torch.device("cpu")
+
+    def batches():
+        g = torch.Generator().manual_seed(5)
+        if kind == "shuffled":
+            return list(ShuffledBatches(data, 16, g, cpu))
+
+        class _Opt:
+            def signal_skip_step(self, do_skip):
+                pass
+
+        return list(PoissonBatches(data, 0.1, g, cpu, 24, True, _Opt()))
+
+    reference = batches()
+    staged: list[torch.Tensor] = []
+
+    def pinned_empty(shape, dtype):
+        staged.append(torch.empty(shape, dtype=dtype))
+        return staged[-1]
+
+    monkeypatch.setattr(devices, "_is_pinned", lambda t: True)
+    monkeypatch.setattr(devices, "_pinned_empty", pinned_empty)
+    forced = batches()
+    assert len(staged) == 2 * len(reference), "every batch's x and y go through a pinned buffer"
+    for (xa, ya), (xb, yb) in zip(reference, forced, strict=True):
+        assert torch.equal(xa, xb) and torch.equal(ya, yb)
+    if kind == "shuffled":  # unpadded: what is yielded is the pinned buffer itself
+        assert all(any(x is s for s in staged) for x, _ in forced)

@@ -211,8 +211,13 @@ class AdpClip(DPAlgorithm):
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "clip": self.clip}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        super().load_state_dict(state)
+    def load_state_dict(
+        self,
+        state: dict[str, Any],
+        device: torch.device | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().load_state_dict(state, device, dtype)
         if self.optimizer is not None:
             self.optimizer.max_grad_norm = float(state["clip"])
         else:

@@ -287,7 +287,14 @@ class DPAlgorithm:
     def state_dict(self) -> dict[str, Any]:
         return {"sigma": self.sigma}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(
+        self,
+        state: dict[str, Any],
+        device: torch.device | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        """Restore `state`; its tensors go to the parameters' `device` and (floating ones)
+        `dtype`, since the stage reads resume states onto the CPU (dpadapter.device.onto)."""
         self.sigma = state["sigma"]
 
     def describe(self) -> dict[str, Any]:

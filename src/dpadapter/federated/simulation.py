@@ -25,6 +25,7 @@ from torch.utils.data import TensorDataset
 
 from dpadapter.federated.mechanisms import GAUSSIAN, LAPLACE, LaplaceDPOptimizer, make_ledger
 from dpadapter.strategies import Schedule, apply_phase
+from dpadapter.train.batching import masked_cross_entropy, pad_batch, padded_size
 
 
 @dataclass(frozen=True)
@@ -51,7 +52,14 @@ class MechanismRun:
 
 
 class Client:
-    """One client's data, RNGs (sampling and noise, seeded), ledger and per-phase optimizers."""
+    """One client's data, RNGs (sampling and noise, seeded), ledger and per-phase optimizers.
+
+    `pad`: pad every Poisson sample to one size (`pad_to`) with masked rows, as fine-tuning
+    does on CUDA (dpadapter.train.batching): with cuDNN benchmark on, each new batch shape
+    would be autotuned again. Padded rows have zero per-example gradient, so the clipped sum
+    and the update are those of the unpadded sample; a sample larger than `pad_to` (a few in
+    100,000) keeps its own shape. Full-batch clients (Laplace) have one shape already.
+    """
 
     def __init__(
         self,
@@ -60,11 +68,14 @@ class Client:
         mech: MechanismRun,
         seed: int,
         device: torch.device | None = None,
+        pad: bool = False,
     ):
         self.index = index
         self.data = data
         self.mech = mech
         self.size = len(data)
+        q = mech.sample_rate
+        self.pad_to = padded_size(q * self.size, q) if pad and q < 1.0 else None
         self.sample_gen = torch.Generator().manual_seed(1_000_003 * (seed + 1) + 2 * index)
         # The mechanism's noise is drawn on the model's device (Opacus needs the generator there).
         self.noise_gen = torch.Generator(device=device or "cpu").manual_seed(
@@ -161,6 +172,13 @@ class Federation:
         if len(y) == 0:  # an empty Poisson sample still releases (noise only), as accounted
             for p in opt.params:
                 p.grad_sample = torch.zeros((0, *p.shape), dtype=p.dtype, device=p.device)
+        elif client.pad_to is not None:
+            n = len(y)
+            x, y = pad_batch(x, y, client.pad_to, opt)
+            loss = masked_cross_entropy(self.gsm(x), y)  # padded rows: zero loss and gradient
+            loss.backward()
+            loss_sum += float(loss.detach()) * len(y)  # the mean is over the padded size
+            n_seen += n
         else:
             loss = nn.functional.cross_entropy(self.gsm(x), y)
             loss.backward()

@@ -43,6 +43,7 @@ from dpadapter.models import replace_head
 from dpadapter.privacy import Segment, calibrate_sigma
 from dpadapter.stages.job import seed_everything, training_job
 from dpadapter.strategies import FT, apply_phase, get_strategy, released_dims
+from dpadapter.train.batching import wants_padding
 from dpadapter.train.checkpoint import load_model
 from dpadapter.train.loops import evaluate
 from dpadapter.train.per_sample import effective_mode, wrap_for_dp
@@ -208,8 +209,10 @@ def run(
     with_rule = strategy == "ut" and fed.ut_t1 == "rule"
     noise_multiplier, est_noise, eps_e = plan_noise(cfg, mechanism, eps, releases, with_rule)
     mech = mechanism_run(cfg, mechanism, noise_multiplier)
+    # Poisson samples vary in size; on CUDA (cuDNN benchmark) they are padded to one shape.
+    pad = wants_padding(cfg.finetune.pad_batches, dev)
     clients = [
-        Client(i, TensorDataset(x[idx.to(x.device)], y[idx.to(y.device)]), mech, seed, dev)
+        Client(i, TensorDataset(x[idx.to(x.device)], y[idx.to(y.device)]), mech, seed, dev, pad)
         for i, idx in enumerate(parts)
     ]
     # The clients' statistics (Laplace constants) read per-example gradients: bk runs hooks.

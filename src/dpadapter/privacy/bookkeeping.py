@@ -30,6 +30,15 @@ virtual steps and every algorithm's phases run unchanged on top. Algorithms that
 per-example gradients themselves (GEP's projection) declare `needs_per_sample_gradients`;
 for them `bk` runs Opacus' hooks mode, since their cost is in the gradients this avoids.
 
+Numerics on CUDA: the norms (step 2) and the clipped sum (step 3) come from different kernels
+(a Gram product or a per-example gradient against one weight-gradient kernel). Under TF32 their
+inputs are rounded differently, and a clipped example's contribution to the sum could exceed C
+by ~1e-3 relative, i.e. more than the sensitivity the accountant is told. The optimizer's
+clipping therefore runs in full FP32 (`dpadapter.device.full_fp32`: TF32 off for matmuls and
+cuDNN convolutions, the previous flags restored afterwards), so both agree to FP32 rounding as
+on the CPU; the model's forward and backward keep TF32 (config `tf32`). Clipping at a reduced
+bound was the alternative; it would need a proven bound on TF32's error for every kernel.
+
 Supported trainable layers: Linear (any leading dims), Conv2d (zeros padding, any groups,
 stride, dilation), GroupNorm, LayerNorm. A trainable parameter elsewhere is refused when the
 model is wrapped, and again in any forward (strategies change what is trainable).
@@ -44,6 +53,8 @@ import torch
 import torch.nn.functional as F
 from opacus.optimizers import DPOptimizer
 from torch import nn
+
+from dpadapter.device import full_fp32
 
 SUPPORTED_LAYERS: tuple[type[nn.Module], ...] = (nn.Linear, nn.Conv2d, nn.GroupNorm, nn.LayerNorm)
 
@@ -508,6 +519,11 @@ class BookKeepingClip:
         return [_marker(p, n) for p in self.params]  # type: ignore[attr-defined]
 
     def clip_and_accumulate(self) -> None:
+        """Norms, clip factors and clipped sums in full FP32: see the module docstring."""
+        with full_fp32():
+            self._clip_and_accumulate()
+
+    def _clip_and_accumulate(self) -> None:
         params = self.params  # type: ignore[attr-defined]
         bk = self.bookkeeping
         n = bk.batch_size()

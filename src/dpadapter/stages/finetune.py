@@ -26,7 +26,13 @@ from dpadapter.models import replace_head
 from dpadapter.privacy import PrivacyLedger
 from dpadapter.stages.job import seed_everything, training_job
 from dpadapter.strategies import Schedule, apply_phase, get_strategy, released_dims
-from dpadapter.train.batching import PAD_LABEL, dp_batches, masked_cross_entropy, padded_size
+from dpadapter.train.batching import (
+    PAD_LABEL,
+    dp_batches,
+    masked_cross_entropy,
+    padded_size,
+    wants_padding,
+)
 from dpadapter.train.checkpoint import load_model, save_model
 from dpadapter.train.loops import evaluate, progress, robust_accuracy
 from dpadapter.train.per_sample import bind_optimizer, effective_mode, wrap_for_dp
@@ -80,8 +86,7 @@ def padding(cfg: Config, dev: torch.device, spec: DPRunSpec) -> int | None:
     dpadapter.train.batching) to `physical_batch_size`, or to a size a Poisson batch rarely
     exceeds. On the CPU nothing is padded unless asked: results stay exactly as before.
     """
-    mode = cfg.finetune.pad_batches
-    if mode is False or (mode == "auto" and dev.type != "cuda"):
+    if not wants_padding(cfg.finetune.pad_batches, dev):
         return None
     return cfg.finetune.physical_batch_size or padded_size(
         spec.expected_batch_size, spec.sample_rate
@@ -163,7 +168,9 @@ def dp_train(
     if resume is not None:
         model.load_state_dict(resume["model"])
         base_opt.load_state_dict(resume["optimizer"])
-        algo.load_state_dict(resume["algorithm"])
+        # read onto the CPU (finetune.run): the algorithm's tensors follow the parameters
+        first = next(model.parameters())
+        algo.load_state_dict(resume["algorithm"], device=first.device, dtype=first.dtype)
         ledger.history = PrivacyLedger.from_state_dict(resume["ledger"]).history
         noise_gen.set_state(resume["noise_rng"])
         sample_gen.set_state(resume["sample_rng"])

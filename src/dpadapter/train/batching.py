@@ -19,6 +19,11 @@ size because Opacus multiplies per-sample gradients by the physical batch size u
 `loss_reduction="mean"`. Padding, not Opacus' BatchMemoryManager alone, because the manager
 still emits a variable-size last chunk per logical batch. Algorithms that count examples
 (AdpClip's unclipped count) read `valid_rows` from the optimizer, set for every physical batch.
+Federated clients pad their Poisson samples with the same `pad_batch`.
+
+A dataset too large for the GPU stays in pinned host memory (`dpadapter.device.place`); its
+batches are gathered into pinned buffers (`dpadapter.device.gather`), since indexing pinned
+memory yields pageable memory, whose copy to the GPU would block.
 """
 
 from __future__ import annotations
@@ -33,9 +38,30 @@ from opacus.utils.batch_memory_manager import BatchSplittingSampler, wrap_data_l
 from opacus.utils.uniform_sampler import UniformWithReplacementSampler
 from torch.utils.data import BatchSampler, RandomSampler, TensorDataset
 
-from dpadapter.device import to
+from dpadapter.device import gather
 
 PAD_LABEL = -100
+
+
+def wants_padding(mode: bool | str, device: torch.device) -> bool:
+    """`pad_batches`: true, false, or "auto" (on CUDA only, where cuDNN tunes per shape)."""
+    return mode is True or (mode == "auto" and device.type == "cuda")
+
+
+def pad_batch(
+    x: torch.Tensor, y: torch.Tensor, size: int, optimizer=None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The batch grown to `size` rows of zeros labelled PAD_LABEL (a larger one is left as is).
+
+    `optimizer` (optional) learns which rows are examples (`valid_rows`, for counts).
+    """
+    extra = size - len(y)
+    if extra > 0:
+        x = torch.cat([x, x.new_zeros((extra, *x.shape[1:]))])
+        y = torch.cat([y, y.new_full((extra,), PAD_LABEL)])
+    if optimizer is not None:
+        optimizer.valid_rows = y != PAD_LABEL
+    return x, y
 
 
 def masked_cross_entropy(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -102,22 +128,11 @@ class PoissonBatches:
         torch.empty((), dtype=torch.int64).random_(generator=self.poisson.generator)
         for idx in self.indices:
             rows = torch.as_tensor(idx, dtype=torch.long)
-            if rows.numel() and self.x.device.type != "cpu":
-                rows = rows.to(self.x.device)
-            x, y = to(self.x[rows], self.device), to(self.y[rows], self.device)
+            x, y = gather(self.x, rows, self.device), gather(self.y, rows, self.device)
             if self.pad:
-                x, y = self._padded(x, y)
+                assert self.max_physical is not None
+                x, y = pad_batch(x, y, self.max_physical, self.optimizer)
             yield x, y
-
-    def _padded(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        n = len(y)
-        extra = self.max_physical - n
-        if extra > 0:
-            x = torch.cat([x, x.new_zeros((extra, *x.shape[1:]))])
-            y = torch.cat([y, y.new_full((extra,), PAD_LABEL)])
-        if self.optimizer is not None:
-            self.optimizer.valid_rows = y != PAD_LABEL
-        return x, y
 
 
 class ShuffledBatches:
@@ -146,9 +161,7 @@ class ShuffledBatches:
         torch.empty((), dtype=torch.int64).random_(generator=self.generator)
         for idx in self.sampler:
             rows = torch.as_tensor(idx, dtype=torch.long)
-            if self.x.device.type != "cpu":
-                rows = rows.to(self.x.device)
-            yield to(self.x[rows], self.device), to(self.y[rows], self.device)
+            yield gather(self.x, rows, self.device), gather(self.y, rows, self.device)
 
 
 def dp_batches(

@@ -142,13 +142,16 @@ def sgd_train(
     steps, first_epoch, skip, total, n = 0, 0, 0, 0.0, 0
     stats: dict = {}
     state = resume.state if resume is not None else None
-    dev = next(model.parameters()).device
+    first = next(model.parameters())
+    dev = first.device
     if state is not None:
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         sched.load_state_dict(state["scheduler"])
         if state.get("step") is not None:
-            step.load_state_dict(state["step"], device=dev)  # type: ignore[attr-defined]
+            step.load_state_dict(  # type: ignore[attr-defined]
+                state["step"], device=dev, dtype=first.dtype
+            )
         g.set_state(state["loader_rng"])
         devices.set_rng_state(state["rng"])
         first_epoch, skip, steps = state["epoch"], state["batch"], state["steps"]

@@ -47,7 +47,8 @@ gamma           radius of the L2 ball on Delta                         2.0 (sam:
 The paper does not give SAM's eta1 or schedule; they are assumed equal to DPAdapter's so the two
 differ only in the batch choice. Parameters of this implementation, not of the paper:
 `chunk_size` (examples per forward/backward when computing grad L_B1, which bounds memory by the
-chunk rather than by m1; the gradient is the same), `refresh_every` (dpadapter only; k: recompute
+chunk rather than by m1; the gradient is the same; halved on out-of-memory until it fits, see
+`PerturbedStep._gradient`), `refresh_every` (dpadapter only; k: recompute
 Delta every k steps and reuse it, still capped and reverted, in between; k = 1 is Algorithm 1,
 larger k divides the perturbation cost by k, but SGD then learns to offset a fixed Delta, which
 moves the clean weights away by about Delta: see bench/dpadapter_cost.py) and `max_steps` (stop
@@ -63,13 +64,14 @@ point of accuracy.
 Per-epoch statistics go to `ctx.log_epoch`: `train_loss` (B2 loss at theta + Delta),
 `b1_loss` (clean loss at theta on the perturbation batch), `delta_norm_raw` (||eta1 grad||
 before the cap), `delta_norm` (applied), `gamma_binding` (fraction of computed perturbations
-that the cap shortened) and `refreshes`.
+that the cap shortened), `refreshes` and `b1_chunk_size` (the chunk the B1 pass used).
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import gc
 import math
 import zlib
 from collections.abc import Iterator, Sequence
@@ -81,6 +83,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from dpadapter.config import SGDConfig
+from dpadapter.device import gather, onto, to
 from dpadapter.param_schema import (
     FRACTION,
     NON_NEGATIVE,
@@ -115,16 +118,25 @@ def global_norm(tensors: Sequence[torch.Tensor]) -> float:
 
 
 def _chunks(
-    x: torch.Tensor, y: torch.Tensor, index: torch.Tensor | None, chunk_size: int
+    x: torch.Tensor,
+    y: torch.Tensor,
+    index: torch.Tensor | None,
+    chunk_size: int,
+    device: torch.device,
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Slices of the batch; with `index` the rows are gathered per chunk, never all at once."""
+    """Slices of the batch on `device`; with `index` the rows are gathered per chunk, never
+    all at once. A public set too large for the GPU stays in pinned host memory
+    (`dpadapter.device.place`): each chunk is gathered there and copied to the model."""
     n = len(y) if index is None else len(index)
     for start in range(0, n, chunk_size):
         if index is None:
-            yield x[start : start + chunk_size], y[start : start + chunk_size]
+            yield (
+                to(x[start : start + chunk_size], device),
+                to(y[start : start + chunk_size], device),
+            )
         else:
-            rows = index[start : start + chunk_size].to(x.device)
-            yield x[rows], y[rows]
+            rows = index[start : start + chunk_size]
+            yield gather(x, rows, device), gather(y, rows, device)
 
 
 def batch_gradient(
@@ -149,12 +161,31 @@ def batch_gradient(
         raise ValueError("empty perturbation batch")
     grads = [torch.zeros_like(p) for p in params]
     total = 0.0
-    for xc, yc in _chunks(x, y, index, chunk_size):
+    for xc, yc in _chunks(x, y, index, chunk_size, params[0].device):
         loss = nn.functional.cross_entropy(model(xc), yc, reduction="sum") / n
         for acc, g in zip(grads, torch.autograd.grad(loss, params), strict=True):
             acc.add_(g)
         total += float(loss.detach())
     return grads, total
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """CUDA raises torch.OutOfMemoryError; other backends (MPS, XPU, some cuDNN paths) a plain
+    RuntimeError whose message says "out of memory"."""
+    return isinstance(exc, torch.OutOfMemoryError) or (
+        isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
+    )
+
+
+def release_cached_memory(device: torch.device) -> None:
+    """Hand the allocator's cached blocks back, so that the smaller chunk finds them free.
+
+    Called once nothing references the failed chunk any more; the collection frees tensors
+    kept alive only by reference cycles (autograd graphs of the failed forward).
+    """
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def cap_to_ball(delta: list[torch.Tensor], gamma: float) -> tuple[list[torch.Tensor], float, bool]:
@@ -242,22 +273,32 @@ class PerturbedStep:
         self.stats = _EpochStats()
 
     def _gradient(self, model: nn.Module, x, y, index) -> tuple[list[torch.Tensor], float]:
-        """The B1 gradient in chunks of at most `chunk_size`, halved on a GPU out-of-memory.
+        """The B1 gradient in chunks of at most `chunk_size`, halved on out-of-memory.
 
-        `chunk_size` is an upper bound: on a GPU that cannot hold a chunk's activations the
-        chunk halves until it fits, and stays at that size for the rest of the run. The
-        gradient is the same whatever the chunk (the loss is a sum over chunks).
+        `chunk_size` is an upper bound: on a device that cannot hold a chunk's activations the
+        chunk halves until it fits, and stays at that size for the rest of the run (it is in
+        the resume state and in each epoch's `b1_chunk_size`). The gradient is the same
+        whatever the chunk (the loss is a sum over chunks), and a failed attempt leaves no
+        trace in it: each attempt accumulates from zero.
         """
         while True:
             try:
                 return batch_gradient(model, x, y, self.chunk_size, index=index)
-            except torch.OutOfMemoryError:
-                if self.chunk_size <= 1:
+            except (torch.OutOfMemoryError, RuntimeError) as exc:
+                if not is_out_of_memory(exc):
                     raise
-                self.chunk_size = max(1, self.chunk_size // 2)
-                model.zero_grad(set_to_none=True)
-                torch.cuda.empty_cache()
-                print(f"B1 gradient: out of GPU memory, chunk_size -> {self.chunk_size}")
+                failed = self.chunk_size
+            # Out of the except block: the exception's traceback, which holds the failed
+            # chunk's inputs and activations, is gone before the cached memory is released.
+            if failed <= 1:
+                raise RuntimeError(
+                    "DPAdapter B1 gradient: out of memory with one example per chunk; the model "
+                    "does not fit the device (use a smaller model, or device: cpu)"
+                )
+            self.chunk_size = max(1, failed // 2)
+            model.zero_grad(set_to_none=True)
+            release_cached_memory(next(model.parameters()).device)
+            print(f"B1 gradient: out of memory at chunk_size {failed}, now {self.chunk_size}")
 
     def _perturbation(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
         s = self.stats
@@ -312,6 +353,8 @@ class PerturbedStep:
 
     def pop_epoch_stats(self) -> dict[str, float]:
         out = self.stats.summary()
+        if "b1_loss" in out:  # the chunk the perturbation gradient used (after any halving)
+            out["b1_chunk_size"] = self.chunk_size
         self.stats = _EpochStats()
         return out
 
@@ -327,13 +370,21 @@ class PerturbedStep:
             "last_b1": None if self.last_b1 is None else self.last_b1.cpu(),
             "sampler_rng": None if self.sampler is None else self.sampler.generator.get_state(),
             "stats": dataclasses.asdict(self.stats),
+            "chunk_size": self.chunk_size,  # a halved chunk stays halved after a resume
         }
 
-    def load_state_dict(self, state: dict[str, Any], device: torch.device | None = None) -> None:
+    def load_state_dict(
+        self,
+        state: dict[str, Any],
+        device: torch.device | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        """Delta goes to the parameters' device and dtype (it is added to them); B1's indices
+        stay on the CPU, where the sampler draws them."""
         self.steps = int(state["steps"])
-        self.last_delta = (
-            None if state["last_delta"] is None else [d.to(device) for d in state["last_delta"]]
-        )
+        self.chunk_size = min(self.chunk_size, int(state.get("chunk_size", self.chunk_size)))
+        delta = state["last_delta"]
+        self.last_delta = None if delta is None else [onto(d, device, dtype) for d in delta]
         self.last_b1 = state["last_b1"]
         if self.sampler is not None and state["sampler_rng"] is not None:
             self.sampler.generator.set_state(state["sampler_rng"])
@@ -399,10 +450,15 @@ class EMAPerturbedStep(PerturbedStep):
         out["average"] = None if self.average is None else [a.cpu() for a in self.average]
         return out
 
-    def load_state_dict(self, state: dict[str, Any], device: torch.device | None = None) -> None:
-        super().load_state_dict(state, device)
+    def load_state_dict(
+        self,
+        state: dict[str, Any],
+        device: torch.device | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().load_state_dict(state, device, dtype)
         avg = state.get("average")
-        self.average = None if avg is None else [a.to(device) for a in avg]
+        self.average = None if avg is None else [onto(a, device, dtype) for a in avg]
 
 
 _SCHEDULE_DEFAULTS: dict[str, Any] = {
