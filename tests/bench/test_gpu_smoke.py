@@ -105,12 +105,12 @@ def test_repeat_check_sees_an_unseeded_noise_generator(smoke, cfg, monkeypatch):
 
 
 def test_shape_check_sees_unpadded_batches(smoke, cfg, monkeypatch):
-    from dpadapter.train.batching import PoissonBatches
+    from dpadapter.train import batching
 
     padded = dataclasses.replace(cfg, finetune=dataclasses.replace(cfg.finetune, pad_batches=True))
     r = _check(smoke, padded)
     assert r["failures"] == {} and len(r["physical_shapes"]) == 1
-    monkeypatch.setattr(PoissonBatches, "_padded", lambda self, x, y: (x, y))
+    monkeypatch.setattr(batching, "pad_batch", lambda x, y, size, optimizer=None: (x, y))
     assert "shapes" in _check(smoke, padded)["failures"]
 
 
