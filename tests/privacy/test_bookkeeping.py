@@ -23,7 +23,7 @@ from dpadapter.privacy.bookkeeping import (
     _conv_per_example_im2col,
     attach_bookkeeping,
 )
-from dpadapter.train.per_sample import effective_mode, wrap_for_dp
+from dpadapter.train.per_sample import bind_optimizer, effective_mode, wrap_for_dp
 
 LOSS = nn.functional.cross_entropy
 
@@ -312,6 +312,37 @@ def test_clipping_runs_in_full_fp32_and_restores_the_flags(tf32_on, monkeypatch)
         "_layer_sums": ("highest", False),
     }, seen
     assert _tf32_flags() == ("high", True), "the clip must restore the job's TF32 setting"
+
+
+@pytest.mark.parametrize("mode", ["hooks", "ew", "functorch"])
+def test_opacus_modes_clip_in_full_fp32(tf32_on, monkeypatch, mode):
+    """Opacus' norms and clipped sum (one call) see TF32 off; the job's flags come back."""
+    import opacus.optimizers.optimizer as opt_mod
+
+    seen = []
+    real = opt_mod.DPOptimizer.clip_and_accumulate
+
+    def spy(self):
+        seen.append(_tf32_flags())
+        return real(self)
+
+    monkeypatch.setattr(opt_mod.DPOptimizer, "clip_and_accumulate", spy)
+    model, shape, classes = CASES["cnn-gn"]()
+    gsm = wrap_for_dp(model, mode)
+    opt = bind_optimizer(
+        DPOptimizer(
+            torch.optim.SGD(gsm.parameters(), lr=0.1),
+            noise_multiplier=0.0,
+            max_grad_norm=0.1,
+            expected_batch_size=4,
+        ),
+        gsm,
+    )
+    x, y = _data(shape, classes, n=4)
+    torch.nn.functional.cross_entropy(gsm(x.float()), y).backward()
+    opt.step()
+    assert seen == [("highest", False)], seen
+    assert _tf32_flags() == ("high", True)
 
 
 def test_the_flags_are_restored_when_clipping_fails(tf32_on):
