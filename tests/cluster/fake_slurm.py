@@ -5,7 +5,8 @@ Called as `fake_slurm.py <client> ARGS` by one small script per client name (`sb
 records every submission (its arguments and the jobs it carries) and stands in for the job:
 it creates the outputs of the jobs named by the submission's `--target-jobs`, from
 `outputs.json` (rule:wildcards -> files, read off a dry run), so Snakemake goes on to the
-next level of the DAG. `sacct`/`squeue` report every job submitted so far as COMPLETED;
+next level of the DAG. `sacct`/`squeue` report every job submitted so far as COMPLETED (and
+note how many that was in `polls.jsonl`);
 `sacctmgr`/`sshare` know the profile's account; the rest print nothing. No job's command runs.
 """
 
@@ -56,7 +57,10 @@ def main() -> None:
     if tool == "sbatch":
         sbatch(sys.argv[2:])
     elif tool in ("sacct", "squeue") and SUBMISSIONS.exists():
-        for line in open(SUBMISSIONS):
+        lines = open(SUBMISSIONS).readlines()
+        with open(STATE / "polls.jsonl", "a") as fh:  # what each status query saw
+            fh.write(json.dumps({"submitted": len(lines)}) + "\n")
+        for line in lines:
             print(f"{json.loads(line)['jobid']}|COMPLETED")
     elif tool in ("sacctmgr", "sshare"):
         print(os.environ.get("FAKE_SLURM_ACCOUNT", "dpadapter"))

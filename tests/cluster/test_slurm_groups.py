@@ -99,7 +99,7 @@ def test_the_default_grid_goes_out_in_a_fifth_as_many_allocations(tmp_path):
     # The real run through the executor plugin, each submission answered by the fake.
     _snakemake(
         root, wd, env,
-        "--slurm-init-seconds-before-status-checks", "1", "--seconds-between-status-checks", "1",
+        "--slurm-init-seconds-before-status-checks", "3", "--seconds-between-status-checks", "1",
         "--latency-wait", "5",
     )  # fmt: skip
     submissions = [json.loads(line) for line in open(state / "submissions.jsonl")]
@@ -107,6 +107,13 @@ def test_the_default_grid_goes_out_in_a_fifth_as_many_allocations(tmp_path):
     assert sorted(carried) == sorted(jobs), "every job submitted exactly once"
     assert len(jobs) >= 70, len(jobs)  # the default grid: warm-up, 5 upstreams, 64 fine-tunings
     assert 5 * len(submissions) <= len(jobs), (len(submissions), len(jobs))
+
+    # The one-GPU limit is per group job, not on the workflow: the warm-up and the scratch
+    # pre-training (both ready at the start, both on a GPU) go out before the first status
+    # query, not one after the other.
+    first_poll = json.loads(open(state / "polls.jsonl").readline())["submitted"]
+    first_jobs = {k for s in submissions[:first_poll] for k in s["jobs"]}
+    assert {"warmup:", "pretrain:upstream=scratch"} <= first_jobs, first_jobs
 
     cap = int(PROFILE["group-components"][0].rsplit("=", 1)[1])
     for s in submissions:
