@@ -11,7 +11,9 @@ the registries (names, per-method params schemas, dataset sizes, privacy sanity)
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import json
 import re
 from dataclasses import dataclass, field
@@ -547,18 +549,126 @@ def from_dict(raw: dict[str, Any], validate: bool = True) -> Config:
     return cfg
 
 
+def shown_path(path: str | Path) -> str:
+    """`path` as a person typed it: relative to the working directory when it lies below it."""
+    p = Path(path).absolute()
+    try:
+        return str(p.relative_to(Path.cwd()))
+    except ValueError:
+        return str(p)
+
+
+def key_lines(path: str | Path) -> dict[str, int]:
+    """Line (1-based) of every key and list item of a YAML (or JSON) file, by dotted path.
+
+    PyYAML, like Snakemake's loader, keeps the later of two equal keys without a word, so
+    `epsilons:` written twice would run a grid nobody asked for: a key given twice in one
+    mapping raises ConfigError naming both lines. Paths are spelt as the schema errors spell
+    them (`finetune.extra_grids.0.algorithms`), so a problem can be pointed at its line.
+    """
+    p = Path(path)
+    root = yaml.compose(p.read_text(), Loader=yaml.SafeLoader)
+    lines: dict[str, int] = {}
+    pending = [(root, "")]
+    while pending:
+        node, where = pending.pop()
+        if isinstance(node, yaml.MappingNode):
+            first: dict[str, int] = {}
+            for key, value in node.value:
+                name = str(key.value)
+                here = f"{where}.{name}" if where else name
+                line = key.start_mark.line + 1
+                if name in first:
+                    raise ConfigError(
+                        f"invalid config:\n  {shown_path(p)}:{line}: {here}: duplicate key "
+                        f"(first at line {first[name]}); YAML would keep only the later "
+                        "value: delete one of the two"
+                    )
+                first[name] = lines[here] = line
+                pending.append((value, here))
+        elif isinstance(node, yaml.SequenceNode):
+            for i, item in enumerate(node.value):
+                here = f"{where}.{i}" if where else str(i)
+                lines[here] = item.start_mark.line + 1
+                pending.append((item, here))
+    return lines
+
+
+# A problem line of a ConfigError: two spaces, a dotted key, ": " (see `_schema_message`).
+_PROBLEM = re.compile(r"^  ([^\s:]+): ", re.M)
+
+
+def _override_holds(overrides: dict[str, Any], key: str) -> bool:
+    """Whether `key`'s value comes from `overrides` (Snakemake merges them in key by key)."""
+    node: Any = overrides
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return False
+        node = node[part]
+        if not isinstance(node, dict):
+            return True
+    return True
+
+
+def locate(
+    exc: ConfigError, files: list[str | Path], overrides: dict[str, Any] | None = None
+) -> ConfigError:
+    """`exc` with each problem line prefixed by where its key is written: `file:line: key: ...`.
+
+    `files` are merged in order (a later file wins), so a key is pointed at the last file that
+    writes the deepest part of its path; a key no file writes (a default the check refers to)
+    at its nearest enclosing section. Keys set by `overrides` (Snakemake's `--config`) say so.
+    """
+    maps = []
+    for f in files:
+        with contextlib.suppress(OSError, yaml.YAMLError):  # e.g. JSON indented with tabs
+            maps.append((shown_path(f), key_lines(f)))
+
+    def where(match: re.Match) -> str:
+        key = match.group(1)
+        if overrides and _override_holds(overrides, key):
+            return f"  --config: {key}: "
+        parts = key.split(".")
+        best: tuple[int, str, int] | None = None
+        for name, lines in maps:
+            for depth in range(len(parts), 0, -1):
+                line = lines.get(".".join(parts[:depth]))
+                if line is not None:
+                    if best is None or depth >= best[0]:
+                        best = (depth, name, line)
+                    break
+        if best is None:
+            return f"  {maps[-1][0]}: {key}: " if maps else match.group(0)
+        return f"  {best[1]}:{best[2]}: {key}: "
+
+    return ConfigError(_PROBLEM.sub(where, str(exc)))
+
+
+def _unique(path: Path, pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object, refused when it names a key twice (json keeps the later one silently)."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ConfigError(f"invalid config:\n  {shown_path(path)}: {key}: duplicate key")
+        out[key] = value
+    return out
+
+
 def read_raw(path: str | Path, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The config file as a plain mapping (not validated), with top-level `overrides` applied."""
+    """The config file as a plain mapping (not validated), with top-level `overrides` applied.
+
+    A key written twice in the file is refused (`key_lines`).
+    """
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"config file not found: {p}")
     try:
         # JSON first: PyYAML reads JSON's 1e-05 as a string (YAML 1.1 floats need a dot).
-        raw = (
-            json.loads(p.read_text())
-            if p.suffix == ".json"
-            else (yaml.safe_load(p.read_text()) or {})
-        )
+        if p.suffix == ".json":
+            raw = json.loads(p.read_text(), object_pairs_hook=functools.partial(_unique, p))
+        else:
+            key_lines(p)
+            raw = yaml.safe_load(p.read_text()) or {}
     except (yaml.YAMLError, json.JSONDecodeError) as exc:
         raise ConfigError(f"{p}: not valid YAML: {exc}") from exc
     if not isinstance(raw, dict):
@@ -570,4 +680,8 @@ def read_raw(path: str | Path, overrides: dict[str, Any] | None = None) -> dict[
 
 def load(path: str | Path, overrides: dict[str, Any] | None = None) -> Config:
     """Schema-checked and parsed, without the registry checks (`dpadapter.validation.load`)."""
-    return from_dict(read_raw(path, overrides))
+    raw = read_raw(path, overrides)
+    try:
+        return from_dict(raw)
+    except ConfigError as exc:
+        raise locate(exc, [path], overrides) from None

@@ -18,7 +18,16 @@ from pathlib import Path
 from typing import Any
 
 from dpadapter.algorithms import ALGORITHMS
-from dpadapter.config import Config, ConfigError, SplitConfig, base_schema, read_raw, validate_raw
+from dpadapter.config import (
+    Config,
+    ConfigError,
+    SplitConfig,
+    base_schema,
+    key_lines,
+    locate,
+    read_raw,
+    validate_raw,
+)
 from dpadapter.config import from_dict as _parse
 from dpadapter.data import DATASET_INFO, missing_files
 from dpadapter.models import MODEL_NAMES, create_model
@@ -29,7 +38,14 @@ from dpadapter.privacy.bookkeeping import unsupported_trainable
 from dpadapter.upstream import UPSTREAMS
 from dpadapter.upstream.variants import format_variant, parse_variant
 
-__all__ = ["ConfigError", "full_schema", "load", "validate", "variant_problems"]
+__all__ = [
+    "ConfigError",
+    "full_schema",
+    "load",
+    "validate",
+    "validate_files",
+    "variant_problems",
+]
 
 # Subsets of roles drawn from one source whose joint demand is checked (2^k of them).
 _MAX_ROLES_FOR_SUBSETS = 10
@@ -84,7 +100,28 @@ def validate(raw: dict[str, Any], check_files: bool = False) -> Config:
 def load(
     path: str | Path, overrides: dict[str, Any] | None = None, check_files: bool = False
 ) -> Config:
-    return validate(read_raw(path, overrides), check_files=check_files)
+    return validate_files(read_raw(path, overrides), [path], overrides, check_files)
+
+
+def validate_files(
+    raw: dict[str, Any],
+    files: list[str | Path],
+    overrides: dict[str, Any] | None = None,
+    check_files: bool = False,
+) -> Config:
+    """`validate` for `raw` merged from `files` (and `overrides`), the problems pointed at lines.
+
+    Each file is read again for its key lines: whoever loaded `raw` (Snakemake's `--configfile`
+    loader, PyYAML) kept the later of two equal keys silently, so a duplicate is refused here,
+    naming both lines; every other problem gets `file:line:` of the key it names.
+    """
+    for f in files:
+        if Path(f).is_file() and Path(f).suffix != ".json":
+            key_lines(f)
+    try:
+        return validate(raw, check_files=check_files)
+    except ConfigError as exc:
+        raise locate(exc, files, overrides) from None
 
 
 def variant_problems(name: str, params: dict[str, dict[str, Any]], where: str) -> list[str]:

@@ -241,13 +241,15 @@ def test_profile_runs_the_pipeline_through_sbatch(slurm_cluster, tiny_raw, tmp_p
         "rule_warmup",
         "rule_pretrain_wildcards_scratch",
         "rule_pretrain_wildcards_standard",
-        "rule_finetune_wildcards_scratch_syn-shift_dpsgd_4_0",
-        "rule_finetune_wildcards_standard_syn-shift_dpsgd_4_0",
+        # the profile's groups: the fine-tuning jobs of one upstream model, one allocation
+        "rule_finetune-scratch_finetune",
+        "rule_finetune-standard_finetune",
         "rule_aggregate",
     }
     defaults, per_rule = PROFILE["default-resources"], PROFILE["set-resources"]
     for job in jobs.values():
         rule = job["Comment"].removeprefix("rule_").split("_wildcards_")[0]
+        rule = re.sub(r"^finetune-[^_]+_", "", rule)  # group `finetune-<upstream>_<its rules>`
         wants_gpu = "gpu" in job.get("TresPerJob", "")
         res = {**defaults, **per_rule.get(rule, {})}
         assert job["Partition"] == _value(res["slurm_partition"]), job
@@ -281,7 +283,7 @@ def test_profile_runs_the_pipeline_through_sbatch(slurm_cluster, tiny_raw, tmp_p
     job_dir = Path("results/finetune/standard/syn-shift/dpsgd/eps4/seed0")
     on_slurm = json.loads((wd / job_dir / "metrics.json").read_text())
     assert on_slurm["privacy"]["epsilon"] <= 4
-    ft_log = next(p for p in slurm_logs if "standard_syn-shift" in str(p))
+    ft_log = next(p for p in slurm_logs if "group_finetune-standard" in str(p))
     threads = re.search(r"DPADAPTER_THREADS=(\d+) \S+ -m dpadapter", ft_log.read_text()).group(1)
     config = re.search(r"--config (\S+) finetune", ft_log.read_text()).group(1)
     local = subprocess.run(

@@ -71,8 +71,8 @@ def test_every_gpu_rule_goes_to_a_gpu_partition():
 def _dry_run_jobs(output: str) -> list[tuple[str, int, dict[str, str]]]:
     """(rule, threads, resources) of every job a dry run prints."""
     jobs = []
-    for block in re.split(r"\n(?=rule \w+:)", output):
-        m = re.match(r"rule (\w+):", block)
+    for block in re.split(r"\n(?=\s*rule \w+:)", output):  # indented: a job inside a group
+        m = re.match(r"\s*rule (\w+):", block)
         res = re.search(r"^\s+resources: (.*)$", block, re.M)
         if not m or not res:
             continue

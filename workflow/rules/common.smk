@@ -16,15 +16,20 @@ from dpadapter import validation as _validation
 from dpadapter.upstream import UPSTREAMS as _UPSTREAM_REGISTRY
 from dpadapter.upstream.variants import VARIANT_RE, parse_variant
 
-# Every check (schema with each method's and algorithm's params schema, registry names, data
-# sizes and files, privacy sanity) lives in dpadapter.validation; see docs/validation.md.
-try:
-    CFG = _validation.validate(config, check_files=True)
-except _validation.ConfigError as exc:
-    raise WorkflowError(str(exc)) from None
-
 # Opacus calls logging.basicConfig() at import, which would print every Snakemake message twice.
 logging.root.handlers.clear()
+
+# Every check (schema with each method's and algorithm's params schema, registry names, data
+# sizes and files, privacy sanity) lives in dpadapter.validation; see docs/validation.md. The
+# user's files (--configfile, else the configfile directive) are read again for duplicate keys
+# and the line of each problem. SystemExit prints the message once, as it is: a WorkflowError
+# would be reported as an error of this file, with its line and a traceback.
+try:
+    CFG = _validation.validate_files(
+        config, workflow.configfiles, dict(workflow.config_settings.config), check_files=True
+    )
+except _validation.ConfigError as exc:
+    raise SystemExit(str(exc)) from None
 
 RESULTS = CFG.results_dir
 PYTHON = sys.executable
