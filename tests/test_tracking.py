@@ -339,3 +339,49 @@ def test_a_store_failing_during_a_job_stops_tracking_not_the_job(
             tracking_enabled(tiny_cfg, True), "scratch", "syn-shift", "dpsgd", 4.0, 0,
             tmp_path / "pre" / "model.pt", tmp_path / "ft-strict",
         )  # fmt: skip
+
+
+def test_the_runs_url_opens_the_configs_experiment_in_the_dp_view(
+    tiny_raw, tmp_path, monkeypatch, capsys
+):
+    """What `make mlflow` opens (without starting the UI): this config's store and experiment."""
+    import yaml
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI")
+    tiny_raw["results_dir"] = "res-a"
+    (tmp_path / "a.yaml").write_text(yaml.safe_dump(tiny_raw))
+    assert tracking.main(["a.yaml", "--port", "5123"]) == 0
+    out = capsys.readouterr().out
+    assert f"store: sqlite:///{tmp_path / 'res-a' / 'mlruns.db'}" in out
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'res-a' / 'mlruns.db'}")
+    exp_id = client.get_experiment_by_name("tests").experiment_id
+    assert (
+        f"runs:  http://127.0.0.1:5123/#/experiments/{exp_id}/runs?viewStateShareKey=dp-runs" in out
+    )
+    # a server: its own URL, and one that does not answer is said at once
+    uri = _closed_port_uri()
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    assert tracking.main(["a.yaml", "--serve"]) == 2
+    assert f"error: the tracking server {uri} does not answer" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_the_workflow_refuses_required_tracking_before_any_job(tiny_raw, tmp_path):
+    import yaml
+
+    tiny_raw["tracking"]["enabled"] = True
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(tiny_raw))
+    repo = Path(__file__).resolve().parents[1]
+    uri = _closed_port_uri()
+    r = subprocess.run(
+        [sys.executable, "-m", "snakemake", "--snakefile", str(repo / "Snakefile"),
+         "--directory", str(tmp_path), "--cores", "1", "results/warmup/model.pt"],
+        capture_output=True, text=True, timeout=600,
+        env={**os.environ, "MLFLOW_TRACKING_URI": uri},
+    )  # fmt: skip
+    assert r.returncode != 0
+    assert f"tracking.enabled is true, but the tracking server {uri} does not answer" in r.stderr
+    assert not (tmp_path / "results" / "logs").exists()  # no job started

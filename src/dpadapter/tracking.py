@@ -245,6 +245,10 @@ def experiment(cfg: TrackingConfig, results_dir: str | Path | None = None) -> st
         if cfg.enabled is True:
             raise TrackingError(f"tracking.enabled is true, but {reason}")
         _say_off(reason)
+    else:
+        import mlflow
+
+        mlflow.set_tracking_uri(uri)  # the fluent calls' store, should another have been set since
     return exp_id
 
 
@@ -643,6 +647,9 @@ def main(argv: list[str] | None = None) -> int:
     server = urlsplit(uri).scheme in ("http", "https")
     base = store if server else f"http://127.0.0.1:{args.port}"
     try:
+        why = _probe(uri)
+        if why is not None:
+            raise TrackingError(why)
         exp_id = ensure_experiment(cfg.tracking, cfg.results_dir)
     except TrackingError as exc:
         print(f"error: {exc}", file=sys.stderr)
