@@ -83,11 +83,11 @@ bench: setup
 	$(BIN)/python bench/dp_step.py
 
 # The MLflow UI over the runs of $(CONFIG) (its results folder's store unless MLFLOW_TRACKING_URI
-# or tracking.uri say otherwise); prints the URL of the runs table with the DP columns.
+# or tracking.uri say otherwise), opened on the config's experiment in the "DP runs" view; with a
+# tracking server, that view's URL on the server. PORT=5001 if 5000 is taken.
+PORT ?= 5000
 mlflow: $(STAMP)
-	@$(BIN)/python -m dpadapter.tracking $(CONFIG)
-	$(BIN)/mlflow ui --host 127.0.0.1 --port 5000 --backend-store-uri \
-	  "$$($(BIN)/python -m dpadapter.tracking $(CONFIG) | sed -n 's/^store: //p')"
+	$(BIN)/python -m dpadapter.tracking $(CONFIG) --serve --port $(PORT)
 
 clean-results:
 	rm -rf results logs benchmarks

@@ -12,7 +12,8 @@ import dpadapter  # noqa: F401  (registers torchvision op schemas before anythin
 
 REPO = Path(__file__).resolve().parents[1]
 
-from tiny_config import TINY_RAW  # noqa: E402  (tests/ is on sys.path)
+from repo_guard import mlflow_footprint  # noqa: E402  (tests/ is on sys.path)
+from tiny_config import TINY_RAW  # noqa: E402
 
 
 @pytest.fixture
@@ -33,3 +34,15 @@ def tiny_cfg(tiny_raw, tmp_path, monkeypatch):
 @pytest.fixture(autouse=True)
 def _single_thread(monkeypatch):
     monkeypatch.setenv("DPADAPTER_THREADS", os.environ.get("DPADAPTER_THREADS", "1"))
+
+
+@pytest.fixture(autouse=True)
+def _track_into_tmp(monkeypatch, tmp_path):
+    """No test writes MLflow runs into the checkout's results/ (the user's own runs): every test
+    starts with a store of its own, and one that still wrote there fails, named."""
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlruns.db'}")
+    before = mlflow_footprint(REPO)
+    yield
+    after = mlflow_footprint(REPO)
+    changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+    assert not changed, f"this test wrote MLflow data into the checkout: {changed}"

@@ -1,10 +1,14 @@
-"""MLflow shows DP runs: the DP columns, config identity in run names, per-results-dir store,
-runs of killed jobs ended FAILED, experiments opened on the training-runs table."""
+"""MLflow shows DP runs: the DP columns, readable run names and tags, one group run per stage,
+per-results-dir store and artifacts, runs of killed jobs ended FAILED, experiments opened on the
+training-runs table; and tracking that cannot run never stops a job (tracking.enabled)."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -24,6 +28,10 @@ DP_PARAMS = {
 }  # fmt: skip
 
 
+def tracking_enabled(cfg, enabled):
+    return dataclasses.replace(cfg, tracking=dataclasses.replace(cfg.tracking, enabled=enabled))
+
+
 def _client(tmp_path: Path):
     from mlflow import MlflowClient
 
@@ -39,12 +47,17 @@ def test_finetune_run_has_the_dp_columns_and_the_config_identity(tiny_cfg, tmp_p
     client = _client(tmp_path)
     exp = client.get_experiment_by_name(tiny_cfg.tracking.experiment)
     runs = client.search_runs(
-        [exp.experiment_id], filter_string="tags.rule = 'finetune'", max_results=10
+        [exp.experiment_id], filter_string="tags.stage = 'finetune'", max_results=10
     )
     assert len(runs) == 1
     run = runs[0]
-    assert run.info.run_name == f"{run_prefix(tiny_cfg)} finetune/scratch/syn-shift/dpsgd/2/0"
-    assert run.data.tags["config"] == config_hash(tiny_cfg)
+    assert run.info.run_name == "finetune dpsgd scratch syn-shift ε=2 s0"
+    tags = run.data.tags
+    assert tags["config"] == config_hash(tiny_cfg)
+    assert {k: tags[k] for k in ("stage", "upstream", "task", "algorithm", "epsilon", "seed")} == {
+        "stage": "finetune", "upstream": "scratch", "task": "syn-shift", "algorithm": "dpsgd",
+        "epsilon": "2", "seed": "0",
+    }  # fmt: skip
     params = run.data.params
     assert DP_PARAMS <= set(params), sorted(DP_PARAMS - set(params))
     p = m["privacy"]
@@ -64,6 +77,53 @@ def test_finetune_run_has_the_dp_columns_and_the_config_identity(tiny_cfg, tmp_p
     assert metrics["epsilon_spent"] == pytest.approx(p["epsilon"])
     assert metrics["test_accuracy"] == pytest.approx(m["test_accuracy"])
     assert "val_accuracy" in metrics and "test_robust_accuracy" in metrics
+    # The run's files lie in the config's results folder, not in the working directory.
+    artifacts = tmp_path / "results" / "mlartifacts"
+    assert exp.artifact_location == artifacts.as_uri()
+    stored = Path(run.info.artifact_uri.removeprefix("file://")) / "metrics.json"
+    assert stored.is_relative_to(artifacts) and json.loads(stored.read_text()) == m
+    assert not (tmp_path / "mlruns").exists()
+
+
+def test_runs_of_a_stage_hang_under_one_group_run_per_config(tiny_cfg, tmp_path):
+    pretrain.run(tiny_cfg, "scratch", tmp_path / "pre", None)
+    for eps in (1.0, 2.0):
+        finetune.run(
+            tiny_cfg, "scratch", "syn-shift", "dpsgd", eps, 0, tmp_path / "pre" / "model.pt",
+            tmp_path / f"ft{eps:g}",
+        )  # fmt: skip
+    client = _client(tmp_path)
+    exp_id = client.get_experiment_by_name(tiny_cfg.tracking.experiment).experiment_id
+    groups = {
+        r.data.tags[tracking.GROUP_TAG]: r
+        for r in client.search_runs([exp_id], filter_string=f"tags.`{tracking.GROUP_TAG}` != ''")
+    }
+    h = config_hash(tiny_cfg)
+    assert sorted(groups) == [f"{h}/finetune", f"{h}/pretrain"]  # one per stage, not per job
+    group = groups[f"{h}/finetune"]
+    assert group.info.run_name == f"finetune · {run_prefix(tiny_cfg)}"
+    assert group.info.status == "FINISHED"
+    children = client.search_runs(
+        [exp_id], filter_string=f"tags.mlflow.parentRunId = '{group.info.run_id}'"
+    )
+    assert sorted(r.info.run_name for r in children) == [
+        "finetune dpsgd scratch syn-shift ε=1 s0", "finetune dpsgd scratch syn-shift ε=2 s0",
+    ]  # fmt: skip
+    (pre,) = client.search_runs([exp_id], filter_string="tags.stage = 'pretrain'")
+    assert pre.data.tags["mlflow.parentRunId"] == groups[f"{h}/pretrain"].info.run_id
+
+
+def test_run_names_read_as_the_job():
+    assert tracking.run_name("warmup", {}) == "warmup"
+    assert tracking.run_name("pretrain", {"upstream": "sam+gamma=0.5"}) == "pretrain sam+gamma=0.5"
+    w = {"upstream": "standard", "task": "fmnist-same", "algo": "dpsgd", "eps": "1", "seed": "0"}
+    assert tracking.run_name("finetune", w) == "finetune dpsgd standard fmnist-same ε=1 s0"
+    fed = {"upstream": "scratch", "strategy": "ut", "mechanism": "gaussian", "eps": "2",
+           "rounds": "4", "seed": "1"}  # fmt: skip
+    assert tracking.run_name("federated", fed) == "federated gaussian ut scratch ε=2 rounds=4 s1"
+    trial = {"upstream": "standard", "task": "t", "algo": "dpsgd", "seed": "0", "sweep": "1",
+             "trial": "3"}  # fmt: skip
+    assert tracking.run_name("hpo_trial", trial) == "hpo_trial dpsgd standard t sweep=1 trial=3 s0"
 
 
 def test_default_store_lives_in_the_results_folder(monkeypatch, tmp_path):
@@ -83,10 +143,35 @@ def test_existing_experiment_gets_the_training_runs_view(monkeypatch, tmp_path):
     uri = f"sqlite:///{tmp_path / 'mlruns.db'}"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     mlflow.set_tracking_uri(uri)
-    exp_id = mlflow.create_experiment("old")  # as made before the tag existed
+    # as made before the tag existed
+    exp_id = mlflow.create_experiment("old", artifact_location=tracking.artifact_location())
     assert tracking.ensure_experiment(TrackingConfig(experiment="old")) == exp_id
     tags = mlflow.MlflowClient().get_experiment(exp_id).tags
     assert tags["mlflow.experimentKind"] == "custom_model_development"
+
+
+def test_an_experiment_keeping_its_artifacts_elsewhere_is_refused(tiny_cfg, tmp_path, capsys):
+    """Before, every experiment put its files in ./mlruns of wherever the job ran: such an
+    experiment (or another config's) is named and refused, not silently shared."""
+    import mlflow
+
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlruns.db'}")
+    elsewhere = tmp_path / "mlruns"
+    exp_id = mlflow.create_experiment(tiny_cfg.tracking.experiment, str(elsewhere))
+    with pytest.raises(tracking.TrackingError) as err:
+        tracking.ensure_experiment(tiny_cfg.tracking, tiny_cfg.results_dir)
+    msg = str(err.value)
+    assert str(elsewhere) in msg and str(tmp_path / "results" / "mlartifacts") in msg
+    assert f"experiments rename --experiment-id {exp_id}" in msg
+    # auto: the job runs untracked and says why; true: refused before training
+    pretrain.run(tiny_cfg, "scratch", tmp_path / "pre", None)
+    assert (tmp_path / "pre" / "metrics.json").is_file()
+    assert capsys.readouterr().err.count("tracking off: MLflow experiment 'tests'") == 1
+    strict = tracking_enabled(tiny_cfg, True)
+    with pytest.raises(tracking.TrackingError, match="tracking.enabled is true, but MLflow exp"):
+        pretrain.run(strict, "scratch", tmp_path / "pre2", None)
+    assert not (tmp_path / "pre2" / "metrics.json").exists()
+    assert not elsewhere.exists()
 
 
 _JOB = textwrap.dedent(
@@ -134,3 +219,169 @@ def test_killed_jobs_never_leave_a_run_running(tmp_path):
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)
+
+
+# --- tracking never stops a job ------------------------------------------------------------------
+_UNTRACKED_JOB = textwrap.dedent(
+    """
+    import json, sys
+    from pathlib import Path
+    if sys.argv[2] == "missing":
+        sys.modules["mlflow"] = None  # as on a node whose image has no MLflow
+    from dpadapter.config import from_dict
+    from dpadapter.stages import finetune, pretrain
+    cfg = from_dict(json.loads(Path(sys.argv[1]).read_text()))
+    pretrain.run(cfg, "scratch", Path("pre"), None)
+    finetune.run(cfg, "scratch", "syn-shift", "dpsgd", 2.0, 0, Path("pre/model.pt"), Path("ft"))
+    print("mlflow module:", type(sys.modules.get("mlflow")).__name__)
+    """
+)
+
+
+@pytest.mark.parametrize("mlflow_state,enabled", [("missing", "auto"), ("installed", False)])
+def test_jobs_run_untracked_without_mlflow_or_with_tracking_off(
+    tiny_raw, tmp_path, mlflow_state, enabled
+):
+    """Two jobs in one process: both write their results; a missing MLflow is said once, and
+    `enabled: false` never imports it."""
+    tiny_raw["tracking"]["enabled"] = enabled
+    (tmp_path / "config.json").write_text(json.dumps(tiny_raw))
+    r = subprocess.run(
+        [sys.executable, "-c", _UNTRACKED_JOB, "config.json", mlflow_state],
+        cwd=tmp_path, capture_output=True, text=True, timeout=600,
+        env={**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlruns.db'}"},
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    for job in ("pre", "ft"):
+        assert (tmp_path / job / "metrics.json").is_file()
+    assert json.loads((tmp_path / "ft" / "metrics.json").read_text())["privacy"]["epsilon"] <= 2
+    assert "mlflow module: NoneType" in r.stdout  # never imported (or importable)
+    said = [line for line in r.stderr.splitlines() if line.startswith("tracking off:")]
+    if enabled == "auto":
+        assert len(said) == 1 and "mlflow cannot be imported" in said[0], r.stderr[-3000:]
+    else:
+        assert said == []
+    assert (
+        not (tmp_path / "mlruns.db").exists()
+        and not (tmp_path / "results" / "mlartifacts").exists()
+    )
+
+
+def _closed_port_uri() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return f"http://127.0.0.1:{port}"  # nothing listens there any more
+
+
+def test_an_unreachable_server_is_skipped_under_auto_and_refused_under_true(
+    tiny_cfg, tmp_path, monkeypatch, capsys
+):
+    uri = _closed_port_uri()
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.setattr(tracking, "PROBE_TIMEOUT_S", 2.0)
+    pretrain.run(tiny_cfg, "scratch", tmp_path / "pre", None)
+    finetune.run(
+        tiny_cfg, "scratch", "syn-shift", "dpsgd", 2.0, 0, tmp_path / "pre" / "model.pt",
+        tmp_path / "ft",
+    )  # fmt: skip
+    assert (tmp_path / "ft" / "metrics.json").is_file()
+    said = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("tracking off:")]
+    assert len(said) == 1 and f"the tracking server {uri} does not answer" in said[0]
+
+    strict = tracking_enabled(tiny_cfg, True)
+    with pytest.raises(
+        tracking.TrackingError, match=f"tracking.enabled is true, but the tracking server {uri}"
+    ):
+        tracking.check(strict)  # the workflow's onstart: before any job
+    with pytest.raises(tracking.TrackingError, match="does not answer"):
+        finetune.run(
+            strict, "scratch", "syn-shift", "dpsgd", 2.0, 0, tmp_path / "pre" / "model.pt",
+            tmp_path / "ft-strict",
+        )  # fmt: skip
+    assert not (tmp_path / "ft-strict" / "metrics.json").exists()
+    assert not tracking.resolve_uri(strict.tracking).startswith("sqlite")
+
+
+def test_required_tracking_without_mlflow_is_refused_before_any_job(tiny_cfg, monkeypatch):
+    monkeypatch.setitem(sys.modules, "mlflow", None)
+    with pytest.raises(tracking.TrackingError, match="but mlflow cannot be imported"):
+        tracking.check(tracking_enabled(tiny_cfg, True))
+    tracking.check(tiny_cfg)  # auto: nothing to refuse (each job says it once)
+
+
+def test_a_store_failing_during_a_job_stops_tracking_not_the_job(
+    tiny_cfg, tmp_path, monkeypatch, capsys
+):
+    import mlflow
+
+    def broken(*args, **kwargs):
+        raise OSError("disk full")
+
+    pretrain.run(tiny_cfg, "scratch", tmp_path / "pre", None)
+    monkeypatch.setattr(mlflow, "log_metrics", broken)
+    m = finetune.run(
+        tiny_cfg, "scratch", "syn-shift", "dpsgd", 2.0, 0, tmp_path / "pre" / "model.pt",
+        tmp_path / "ft",
+    )  # fmt: skip
+    assert (tmp_path / "ft" / "metrics.json").is_file() and m["privacy"]["epsilon"] <= 2
+    said = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("tracking off:")]
+    assert len(said) == 1 and "disk full" in said[0]
+    # the run was ended, not left RUNNING
+    client = _client(tmp_path)
+    (run,) = client.search_runs(
+        [client.get_experiment_by_name("tests").experiment_id],
+        filter_string="tags.stage = 'finetune'",
+    )
+    assert run.info.status == "FINISHED"
+    with pytest.raises(OSError, match="disk full"):
+        finetune.run(
+            tracking_enabled(tiny_cfg, True), "scratch", "syn-shift", "dpsgd", 4.0, 0,
+            tmp_path / "pre" / "model.pt", tmp_path / "ft-strict",
+        )  # fmt: skip
+
+
+def test_the_runs_url_opens_the_configs_experiment_in_the_dp_view(
+    tiny_raw, tmp_path, monkeypatch, capsys
+):
+    """What `make mlflow` opens (without starting the UI): this config's store and experiment."""
+    import yaml
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI")
+    tiny_raw["results_dir"] = "res-a"
+    (tmp_path / "a.yaml").write_text(yaml.safe_dump(tiny_raw))
+    assert tracking.main(["a.yaml", "--port", "5123"]) == 0
+    out = capsys.readouterr().out
+    assert f"store: sqlite:///{tmp_path / 'res-a' / 'mlruns.db'}" in out
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'res-a' / 'mlruns.db'}")
+    exp_id = client.get_experiment_by_name("tests").experiment_id
+    assert (
+        f"runs:  http://127.0.0.1:5123/#/experiments/{exp_id}/runs?viewStateShareKey=dp-runs" in out
+    )
+    # a server: its own URL, and one that does not answer is said at once
+    uri = _closed_port_uri()
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    assert tracking.main(["a.yaml", "--serve"]) == 2
+    assert f"error: the tracking server {uri} does not answer" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_the_workflow_refuses_required_tracking_before_any_job(tiny_raw, tmp_path):
+    import yaml
+
+    tiny_raw["tracking"]["enabled"] = True
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(tiny_raw))
+    repo = Path(__file__).resolve().parents[1]
+    uri = _closed_port_uri()
+    r = subprocess.run(
+        [sys.executable, "-m", "snakemake", "--snakefile", str(repo / "Snakefile"),
+         "--directory", str(tmp_path), "--cores", "1", "results/warmup/model.pt"],
+        capture_output=True, text=True, timeout=600,
+        env={**os.environ, "MLFLOW_TRACKING_URI": uri},
+    )  # fmt: skip
+    assert r.returncode != 0
+    assert f"tracking.enabled is true, but the tracking server {uri} does not answer" in r.stderr
+    assert not (tmp_path / "results" / "logs").exists()  # no job started

@@ -294,6 +294,9 @@ class FederatedConfig:
 class TrackingConfig:
     uri: str | None = None
     experiment: str = "dpadapter"
+    # "auto": on where mlflow imports and the store answers, else the job runs untracked and
+    # says so once; True: either missing is an error before training; False: mlflow unused.
+    enabled: bool | str = "auto"
 
 
 @dataclass(frozen=True)

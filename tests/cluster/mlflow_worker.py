@@ -1,9 +1,10 @@
 """One training-job-like MLflow client, started N times at once by test_mlflow_load.py.
 
-Usage: python mlflow_worker.py <experiment> <index> <barrier_dir> <steps>
+Usage: python mlflow_worker.py <experiment> <index> <barrier_dir> <steps> [<group>]
 The tracking URI comes from MLFLOW_TRACKING_URI, as in a Snakemake job. Each worker imports
 everything first, reports `ready-<index>` in barrier_dir and waits for `go`, so all of them
-create the store, the experiment and their runs at the same instant.
+create the store, the experiment and their runs at the same instant. With <group>, each run is
+nested under the group run of that key, which the first of them creates.
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ def main() -> int:
         time.sleep(0.002)
     cfg = TrackingConfig(experiment=experiment)
     tags = {"rule": "load", "wildcard.worker": str(index)}
-    with tracking.start_run(cfg, run_name=f"load/{index}", tags=tags) as run:
+    group = (sys.argv[5], sys.argv[5]) if len(sys.argv) > 5 else None
+    with tracking.start_run(cfg, run_name=f"load/{index}", tags=tags, parent=group) as run:
         run.log_params({"worker": index, "grid": {"eps": [1, 4], "seed": index}})
         run.log_params({"target_epsilon": 4, "noise_multiplier": 1.25, "seed": index})
         for step in range(1, steps + 1):

@@ -33,27 +33,26 @@ EXPERIMENT = "load"
 WORKER = Path(__file__).with_name("mlflow_worker.py")
 
 
-@pytest.fixture(scope="module")
-def loaded_store(tmp_path_factory) -> Path:
-    """A sqlite store written by N_JOBS concurrent processes; asserts they all succeeded."""
-    wd = tmp_path_factory.mktemp("mlflow-load")
+def _race(wd: Path, n_jobs: int, *extra: str) -> Path:
+    """n_jobs workers released at one instant against one fresh sqlite store in wd; asserts
+    they all succeeded."""
     db = wd / "mlruns.db"
     env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{db}"}
     barrier = wd / "barrier"
     barrier.mkdir()
     procs = [
         subprocess.Popen(
-            [sys.executable, str(WORKER), EXPERIMENT, str(i), str(barrier), str(STEPS)],
+            [sys.executable, str(WORKER), EXPERIMENT, str(i), str(barrier), str(STEPS), *extra],
             cwd=wd,
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
         )
-        for i in range(N_JOBS)
+        for i in range(n_jobs)
     ]
     # Release all workers at once, after each has paid its (seconds-long) import cost.
-    ready = lambda: sum((barrier / f"ready-{i}").exists() for i in range(N_JOBS)) == N_JOBS  # noqa: E731
+    ready = lambda: sum((barrier / f"ready-{i}").exists() for i in range(n_jobs)) == n_jobs  # noqa: E731
     try:
         wait_until(
             lambda: ready() or any(p.poll() is not None for p in procs), 300, "workers ready"
@@ -66,8 +65,31 @@ def loaded_store(tmp_path_factory) -> Path:
         for i, (p, out) in enumerate(zip(procs, outputs, strict=True))
         if p.returncode
     ]
-    assert not failed, f"{len(failed)} of {N_JOBS} jobs failed; first: {failed[0]}"
+    assert not failed, f"{len(failed)} of {n_jobs} jobs failed; first: {failed[0]}"
     return db
+
+
+@pytest.fixture(scope="module")
+def loaded_store(tmp_path_factory) -> Path:
+    """A sqlite store written by N_JOBS concurrent processes; asserts they all succeeded."""
+    return _race(tmp_path_factory.mktemp("mlflow-load"), N_JOBS)
+
+
+def test_concurrent_jobs_of_a_grid_make_one_group_run(tmp_path):
+    """Every job looks its group run up and creates it when missing: at one instant, one."""
+    from mlflow import MlflowClient
+
+    from dpadapter.tracking import GROUP_TAG
+
+    n = 4
+    db = _race(tmp_path, n, "grid")
+    client = MlflowClient(tracking_uri=f"sqlite:///{db}")
+    runs = client.search_runs([client.get_experiment_by_name(EXPERIMENT).experiment_id])
+    groups = [r for r in runs if GROUP_TAG in r.data.tags]
+    assert len(groups) == 1, [g.info.run_id for g in groups]
+    children = [r for r in runs if GROUP_TAG not in r.data.tags]
+    assert len(children) == n
+    assert {r.data.tags["mlflow.parentRunId"] for r in children} == {groups[0].info.run_id}
 
 
 def test_concurrent_jobs_all_land_in_sqlite(loaded_store):

@@ -114,10 +114,12 @@ def test_rule_report_counts_the_step_size_assumption():
 
 @pytest.mark.parametrize("mechanism,eps", [("gaussian", 2.0), ("laplace", 50.0)])
 def test_rule_job_estimates_along_the_trajectory_within_its_budget(
-    tiny_raw, tmp_path, mechanism, eps
+    tiny_raw, tmp_path, monkeypatch, mechanism, eps
 ):
     from dpadapter.federated import stage
     from dpadapter.stages import pretrain
+
+    monkeypatch.chdir(tmp_path)  # results_dir "results" (its MLflow artifacts) is the test's own
 
     fed = {
         "task": "syn-shift",

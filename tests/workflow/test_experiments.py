@@ -64,7 +64,8 @@ def test_a_config_keeps_its_outputs_and_refuses_to_overwrite_another(tiny_raw, t
     assert (res / "logs" / "warmup.log").is_file()
     assert (res / "benchmarks" / "warmup.tsv").is_file()
     assert (res / "mlruns.db").is_file()
-    assert not any((wd / d).exists() for d in ("logs", "benchmarks", "mlruns.db"))
+    assert len(list((res / "mlartifacts").glob("*/artifacts/metrics.json"))) == 1
+    assert not any((wd / d).exists() for d in ("logs", "benchmarks", "mlruns.db", "mlruns"))
     assert (res / IDENTITY_FILE).is_file()
     model = res / "warmup" / "model.pt"
     before = (model.stat().st_mtime_ns, model.read_bytes())

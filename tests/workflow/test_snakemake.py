@@ -70,17 +70,27 @@ def test_pipeline_end_to_end_on_tiny_config(tmp_path, tiny_raw):
         assert r["n_seeds"] == "1" and 0 <= float(r["mean_accuracy"]) <= 1
     md = (wd / "results/summary/finetune.md").read_text()
     assert "| dpsgd | standard |" in md and "syn-shift ε=4" in md
-    # every training job logged exactly one MLflow run, tagged with its rule
+    # every training job logged exactly one MLflow run, tagged with its stage, nested under the
+    # one group run of its stage (parallel jobs made one each, not one per job)
     import mlflow
 
     mlflow.set_tracking_uri(f"sqlite:///{wd / 'mlruns.db'}")
     runs = mlflow.search_runs(experiment_names=["tests"])
-    assert len(runs) == 1 + 2 + 8
-    assert sorted(runs["tags.rule"].value_counts().items()) == [
+    jobs, groups = runs[runs["tags.stage"].notna()], runs[runs["tags.stage"].isna()]
+    assert len(jobs) == 1 + 2 + 8
+    assert sorted(jobs["tags.stage"].value_counts().items()) == [
         ("finetune", 8),
         ("pretrain", 2),
         ("warmup", 1),
     ]
+    group_of = dict(zip(groups["run_id"], groups["tags.dpadapter.group"], strict=True))
+    assert sorted(g.split("/")[1] for g in group_of.values()) == ["finetune", "pretrain", "warmup"]
+    for stage, parent in zip(jobs["tags.stage"], jobs["tags.mlflow.parentRunId"], strict=True):
+        assert group_of[parent].endswith("/" + stage)
+    # their files lie under the config's results folder
+    assert all(
+        u.startswith((wd / "results" / "mlartifacts").as_uri()) for u in runs["artifact_uri"]
+    )
     # each metrics.json epsilon is within its target
     for p in (wd / "results/finetune").rglob("metrics.json"):
         m = json.loads(p.read_text())

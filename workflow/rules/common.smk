@@ -12,6 +12,7 @@ from snakemake.settings.types import DeploymentMethod
 
 from dpadapter import dvc_sync as _dvc_sync
 from dpadapter import identity as _identity
+from dpadapter import tracking as _tracking
 from dpadapter import validation as _validation
 from dpadapter.upstream import UPSTREAMS as _UPSTREAM_REGISTRY
 from dpadapter.upstream.variants import VARIANT_RE, parse_variant
@@ -161,6 +162,8 @@ wildcard_constraints:
 
 onstart:
     _identity.before_run(CFG)
+    # `tracking.enabled: true` without a working MLflow stops here, before any job.
+    _tracking.check(CFG)
 
 
 # Record what a successful run built in dvc.lock, so `dvc push` uploads it (dpadapter.dvc_sync).

@@ -43,7 +43,6 @@ from dpadapter.hpo.runner import (
 )
 from dpadapter.hpo.selection import NOT_ACCOUNTED, SelectionMechanism
 from dpadapter.hpo.space import SearchSpace, StepConfig, fit_scaling
-from dpadapter.identity import run_prefix
 from dpadapter.privacy import Segment
 
 PLAN_VERSION = 1
@@ -109,23 +108,10 @@ def _check_plan(cfg: Config, plan: dict) -> None:
 
 
 # --- MLflow ------------------------------------------------------------------------------------
-def _link_to_parent(parent_run_id: str, role: str) -> None:
-    """Nest the active run (a training job's) under the HPO parent run, across jobs."""
-    import mlflow
-
-    mlflow.set_tags({"mlflow.parentRunId": parent_run_id, "hpo.role": role})
-
-
-def _log_to_parent(cfg: Config, parent_run_id: str, metrics: dict[str, float]) -> None:
-    import mlflow
-
+def _log_to_parent(cfg: Config, parent_run_id: str | None, metrics: dict[str, float]) -> None:
     from dpadapter import tracking
 
-    tracking.ensure_experiment(cfg.tracking, cfg.results_dir)
-    client = mlflow.MlflowClient()
-    for k, v in metrics.items():
-        if isinstance(v, int | float) and math.isfinite(v):
-            client.log_metric(parent_run_id, k, float(v))
+    tracking.log_metrics_to(cfg.tracking, cfg.results_dir, parent_run_id, metrics)
 
 
 # --- plan --------------------------------------------------------------------------------------
@@ -215,20 +201,15 @@ def plan(cfg: Config, upstream: str, task: str, algo: str, seed: int, out: Path)
         "grid": [_step_dict(space.decompose_max_steps(r)) for r in space.grid()],
         "grid_epsilon": h.target_epsilon,
     }
-    name = f"hpo/{upstream}/{task}/{algo}/seed{seed}"
-    tags = {
-        "rule": "hpo_plan",
-        "hpo.role": "parent",
-        "wildcard.upstream": upstream,
-        "wildcard.task": task,
-        "wildcard.algo": algo,
-        "wildcard.seed": str(seed),
-    }
+    job = tracking.job(
+        cfg, "hpo_plan", {"upstream": upstream, "task": task, "algo": algo, "seed": str(seed)}
+    )
     with tracking.start_run(
         cfg.tracking,
-        run_name=f"{run_prefix(cfg)} {name}",
-        tags=tags,
+        run_name=job.name,
+        tags={**job.tags, "hpo.role": "parent"},
         results_dir=cfg.results_dir,
+        parent=(job.group, job.group_name),
     ) as run:
         run.log_params(
             {
@@ -268,8 +249,11 @@ def trial(cfg: Config, plan_path: Path, sweep: int, index: int, ckpt: Path, out_
         "sweep": str(sweep),
         "trial": str(index),
     }
-    with training_job(cfg, "hpo_trial", wildcards, out_dir) as (run, metrics):
-        _link_to_parent(p["parent_run_id"], "trial")
+    with training_job(cfg, "hpo_trial", wildcards, out_dir, parent_run_id=p["parent_run_id"]) as (
+        run,
+        metrics,
+    ):
+        run.set_tags({"hpo.role": "trial"})
         res = train_config(
             cfg, data.train, data.num_classes, ckpt, p["algorithm"], _step(t), eps, t["seed"]
         )
@@ -437,8 +421,11 @@ def _final_budget_run(
         "seed": str(p["seed"]),
         **(extra_wildcards or {}),
     }
-    with training_job(cfg, stage, wildcards, out_dir) as (run, metrics):
-        _link_to_parent(p["parent_run_id"], role)
+    with training_job(cfg, stage, wildcards, out_dir, parent_run_id=p["parent_run_id"]) as (
+        run,
+        metrics,
+    ):
+        run.set_tags({"hpo.role": role})
         res = train_config(
             cfg,
             d.train,

@@ -16,7 +16,6 @@ import torch
 from dpadapter import device as devices
 from dpadapter import tracking
 from dpadapter.config import Config
-from dpadapter.identity import config_hash, run_prefix
 
 
 def write_json(path: str | Path, payload: dict[str, Any]) -> None:
@@ -41,18 +40,15 @@ def training_job(
     wildcards: dict[str, str],
     out_dir: Path,
     resume_run_id: str | None = None,
+    parent_run_id: str | None = None,
 ) -> Iterator[tuple[tracking.Run, dict]]:
-    """Yield (mlflow run, metrics dict); on success write metrics.json and attach it to the run."""
+    """Yield (mlflow run, metrics dict); on success write metrics.json and attach it to the run.
+
+    The run is nested under `parent_run_id` (an HPO plan's run), else under its stage's group
+    run of this config (tracking.job)."""
     torch.set_num_threads(int(os.environ.get("DPADAPTER_THREADS", torch.get_num_threads())))
     out_dir.mkdir(parents=True, exist_ok=True)
-    # The config's identity leads the run name: re-runs of other configs are told apart.
-    name = f"{run_prefix(cfg)} " + "/".join([stage, *wildcards.values()])
-    tags = {
-        "rule": stage,
-        "config": config_hash(cfg),
-        "results_dir": cfg.results_dir,
-        **{f"wildcard.{k}": str(v) for k, v in wildcards.items()},
-    }
+    job = tracking.job(cfg, stage, wildcards)
     # Where the job runs, decided once (config `device`, or $DPADAPTER_DEVICE for this job);
     # a job asked for CUDA on a node without it fails here, before any work.
     dev = devices.resolve(cfg.device)
@@ -65,7 +61,12 @@ def training_job(
     devices.reset_peak_memory(dev)
     t0 = time.time()
     with tracking.start_run(
-        cfg.tracking, run_name=name, tags=tags, run_id=resume_run_id, results_dir=cfg.results_dir
+        cfg.tracking,
+        run_name=job.name,
+        tags=job.tags,
+        run_id=resume_run_id,
+        results_dir=cfg.results_dir,
+        parent=parent_run_id or (job.group, job.group_name),
     ) as run:
         run.set_tags({f"device.{k}": v for k, v in metrics["device"].items()})
         # What the wildcards fix before training (a killed run shows it too); the rest after.
