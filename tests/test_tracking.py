@@ -385,3 +385,21 @@ def test_the_workflow_refuses_required_tracking_before_any_job(tiny_raw, tmp_pat
     assert r.returncode != 0
     assert f"tracking.enabled is true, but the tracking server {uri} does not answer" in r.stderr
     assert not (tmp_path / "results" / "logs").exists()  # no job started
+
+
+def test_a_job_refused_for_required_tracking_says_why_in_one_line(tiny_raw, tmp_path):
+    """`python -m dpadapter ...` by hand: exit 2 and the reason, not a traceback."""
+    import yaml
+
+    tiny_raw["tracking"]["enabled"] = True
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(tiny_raw))
+    uri = _closed_port_uri()
+    r = subprocess.run(
+        [sys.executable, "-m", "dpadapter", "--config", "config.yaml", "warmup", "--out", "w"],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+        env={**os.environ, "MLFLOW_TRACKING_URI": uri},
+    )  # fmt: skip
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert f"error: tracking.enabled is true, but the tracking server {uri}" in r.stderr
+    assert "Traceback" not in r.stderr
+    assert not (tmp_path / "w" / "model.pt").exists()

@@ -80,6 +80,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.stage == "validate":
         print("config OK")
         return 0
+    from dpadapter.tracking import TrackingError
+
+    try:
+        _dispatch(args, cfg)
+    except TrackingError as exc:  # tracking.enabled: true and MLflow unusable: one clear line
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _dispatch(args: argparse.Namespace, cfg) -> None:
+    """Run the stage the command line names (its modules are imported only when needed)."""
     if args.stage == "warmup":
         from dpadapter.stages import warmup
 
@@ -139,7 +151,6 @@ def main(argv: list[str] | None = None) -> int:
 
         a = args
         print(validity.run(a.hpo, a.federated_rule, a.finetune, a.out, a.gpu_summary))
-    return 0
 
 
 if __name__ == "__main__":
