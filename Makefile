@@ -51,7 +51,7 @@ hpo: setup
 # DP federated fine-tuning, Pretrain-DPFL (strategies x mechanisms x eps); not part of `make run`.
 federated: setup
 	$(BIN)/snakemake --cores $(CORES) --configfile $(CONFIG) --rerun-incomplete federated
-	@cat $(RESULTS)/summary/federated.csv
+	@cat $(RESULTS)/summary/federated.md
 	@R=$(RESULTS); $(BIN)/python -c "import json, sys; r = json.load(open(sys.argv[1] + '/summary/federated_rule.json')); c = r.get('hit_rate_interval') or {}; print(f\"T1 rule: {r['hits']}/{r['n_cells']} cells predicted the HT/FT winner; 95% Wilson [{c.get('low', float('nan')):.2f}, {c.get('high', float('nan')):.2f}] vs always-HT {r.get('always_ht', float('nan')):.2f}, always-FT {r.get('always_ft', float('nan')):.2f}, coin 0.50\")" "$$R"
 
 # Empirical privacy audit: every registered algorithm x audit.epsilons, one canary run each, a

@@ -64,6 +64,7 @@ rule federated_summary:
         rule=f"{RESULTS}/summary/federated_rule.json",
         eps=f"{RESULTS}/figures/federated_accuracy_vs_epsilon.png",
         rounds=f"{RESULTS}/figures/federated_accuracy_vs_rounds.png",
+        md=f"{RESULTS}/summary/federated.md",
     params:
         python=python_exe,
         config=config_file,
@@ -78,7 +79,7 @@ rule federated_summary:
     shell:
         "{params.python} -m dpadapter --config {params.config} federated summary "
         "--metrics {input} --csv {output.csv} --rule {output.rule} --fig-eps {output.eps} "
-        "--fig-rounds {output.rounds} > {log} 2>&1"
+        "--fig-rounds {output.rounds} --md {output.md} > {log} 2>&1"
 
 
 rule federated:
