@@ -230,7 +230,8 @@ def markdown(rows: list[dict], report: dict) -> str:
     lines = [
         "# DP federated fine-tuning: test accuracy (%), mean ± std over seeds",
         "",
-        "ε: the largest ε any client spent (a PLD upper bound over every round it took part in).",
+        "ε: the largest ε any client spent, an upper bound from that client's accountant over "
+        "every round it took part in (docs/federated.md).",
     ]
     for mech, rounds in sorted({(r["mechanism"], r["rounds"]) for r in rows}):
         part = [r for r in rows if (r["mechanism"], r["rounds"]) == (mech, rounds)]
