@@ -8,7 +8,7 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
-from dpadapter.tables import Stat, flagged_cells, how_to_read
+from dpadapter.tables import Stat, cell, flagged_cells, how_to_read
 
 COLUMNS = [
     "upstream",
@@ -32,7 +32,7 @@ def collect(paths: list[Path]) -> list[dict]:
         groups[(w["upstream"], w["task"], w["algo"], float(w["eps"]))].append(m)
     rows = []
     for (up, task, algo, eps), ms in sorted(groups.items()):
-        accs = [m["test_accuracy"] for m in ms]
+        acc = Stat.of([m["test_accuracy"] for m in ms])
         robust = Stat.of([m["test_robust_accuracy"] for m in ms])
         rows.append(
             {
@@ -40,9 +40,9 @@ def collect(paths: list[Path]) -> list[dict]:
                 "task": task,
                 "algorithm": algo,
                 "epsilon": eps,
-                "mean_accuracy": statistics.fmean(accs),
-                "std_accuracy": statistics.stdev(accs) if len(accs) > 1 else 0.0,
-                "n_seeds": len(accs),
+                "mean_accuracy": acc.mean,
+                "std_accuracy": acc.std,
+                "n_seeds": acc.n,
                 "mean_robust_accuracy": robust.mean,
                 "mean_epsilon_spent": statistics.fmean(m["privacy"]["epsilon"] for m in ms),
                 "std_robust_accuracy": robust.std,
@@ -121,9 +121,10 @@ def table1_markdown(
                 )
             if pretrain:
                 p = pretrain.get(u, {})
+                # one pre-training run per upstream method
                 cells += [
-                    f"{100 * p['public_test_accuracy']:.1f}" if p else "–",
-                    f"{100 * p['public_test_robust_accuracy']:.1f}" if p else "–",
+                    cell(Stat(p["public_test_accuracy"], 0.0, 1)) if p else "–",
+                    cell(Stat(p["public_test_robust_accuracy"], 0.0, 1)) if p else "–",
                 ]
             lines.append(f"| {a} | {u} | " + " | ".join(cells) + " |")
     lines += ["", how_to_read(), ""]
