@@ -9,7 +9,7 @@ CONFIG ?= config.yaml
 # The results folder of $(CONFIG) (its `results_dir`), for the summaries printed below.
 RESULTS = $$($(BIN)/python -c "import sys, yaml; print(yaml.safe_load(open(sys.argv[1])).get('results_dir', 'results'))" $(CONFIG))
 
-.PHONY: run sweeps hpo federated audit validity test test-cluster lint bench setup data clean-results mlflow
+.PHONY: run report sweeps hpo federated audit validity test test-cluster lint bench setup data browser clean-results mlflow
 
 # uv installs the pinned set several times faster than pip (parallel downloads and unpacking);
 # pip is the fallback where uv cannot be had or fails. uv ignores pip's configuration, so
@@ -27,16 +27,31 @@ $(STAMP): requirements.txt pyproject.toml
 	    && $(PIP_INSTALL) --no-deps --no-build-isolation -e .; fi
 	touch $(STAMP)
 
-setup: $(STAMP) data
+setup: $(STAMP) data browser
 
 # Fashion-MNIST ships as a Debian package; install it when missing and apt is usable.
 data:
 	@if [ ! -e /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz ] && command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
 	  (apt-get update -qq && apt-get install -y -qq dataset-fashion-mnist) >/dev/null || echo "warning: could not install dataset-fashion-mnist"; fi
 
+# Headless Chromium, with which the tests open the Snakemake report (tests/workflow/test_report.py);
+# Debian's package, installed when missing and apt is usable, as for the dataset.
+browser:
+	@if command -v chromium >/dev/null; then :; \
+	elif command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
+	  (apt-get update -qq && apt-get install -y -qq chromium) >/dev/null || echo "warning: could not install chromium (the report's browser test will skip)"; \
+	else echo "warning: chromium is missing and apt is not usable here (not root): the report's browser test will skip"; fi
+
 run: setup
 	$(BIN)/snakemake --cores $(CORES) --configfile $(CONFIG) --rerun-incomplete
 	@cat $(RESULTS)/summary/finetune.md
+
+# The Snakemake report of $(CONFIG): every summary table and figure made so far (the main grid, run
+# first if missing; HPO, federated, audit, validity and sweeps once run), with captions.
+report: setup
+	$(BIN)/snakemake --cores $(CORES) --configfile $(CONFIG) --rerun-incomplete report_all
+	$(BIN)/snakemake --cores $(CORES) --configfile $(CONFIG) --report $(RESULTS)/report.html report_all
+	@echo "report: $(RESULTS)/report.html"
 
 # gamma sweeps of SAM and DPAdapter (Figs. 5-6 analogues); not part of `make run`.
 sweeps: setup
@@ -51,7 +66,7 @@ hpo: setup
 # DP federated fine-tuning, Pretrain-DPFL (strategies x mechanisms x eps); not part of `make run`.
 federated: setup
 	$(BIN)/snakemake --cores $(CORES) --configfile $(CONFIG) --rerun-incomplete federated
-	@cat $(RESULTS)/summary/federated.csv
+	@cat $(RESULTS)/summary/federated.md
 	@R=$(RESULTS); $(BIN)/python -c "import json, sys; r = json.load(open(sys.argv[1] + '/summary/federated_rule.json')); c = r.get('hit_rate_interval') or {}; print(f\"T1 rule: {r['hits']}/{r['n_cells']} cells predicted the HT/FT winner; 95% Wilson [{c.get('low', float('nan')):.2f}, {c.get('high', float('nan')):.2f}] vs always-HT {r.get('always_ht', float('nan')):.2f}, always-FT {r.get('always_ft', float('nan')):.2f}, coin 0.50\")" "$$R"
 
 # Empirical privacy audit: every registered algorithm x audit.epsilons, one canary run each, a

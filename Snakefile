@@ -8,6 +8,11 @@
 #   sweeps    gamma sweeps of SAM and DPAdapter, Figs. 5-6 (own target: `snakemake sweeps`)
 #   hpo       private HPO, linear scaling rule vs. baselines (own target: `snakemake hpo`)
 #   audit     empirical privacy audit, one canary run per algorithm x eps (`snakemake audit`)
+#   report    every table and figure that exists, as pages of the Snakemake report (`make report`)
+
+# The front page of `snakemake --report` (make report).
+report: "workflow/report/workflow.rst"
+
 
 # --configfile REPLACES the embedded default instead of being merged into it (Snakemake would
 # otherwise merge the two task tables and run both grids).
@@ -17,6 +22,7 @@ if not workflow.overwrite_configfiles:
 
 
 include: "workflow/rules/common.smk"
+include: "workflow/rules/report_helpers.smk"
 include: "workflow/rules/warmup.smk"
 include: "workflow/rules/pretrain.smk"
 include: "workflow/rules/finetune.smk"
@@ -26,6 +32,7 @@ include: "workflow/rules/hpo.smk"
 include: "workflow/rules/federated.smk"
 include: "workflow/rules/validity.smk"
 include: "workflow/rules/audit.smk"
+include: "workflow/rules/report.smk"
 
 
 rule all:

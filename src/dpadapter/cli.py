@@ -69,6 +69,14 @@ def main(argv: list[str] | None = None) -> int:
     for k in ("hpo", "federated-rule", "finetune", "gpu-summary"):
         va.add_argument(f"--{k}", type=Path, default=None)
     va.add_argument("--out", required=True, type=Path)
+    rp = sub.add_parser("report-page", help="one summary table as an HTML page of the report")
+    rp.add_argument("--kind", required=True, choices=["markdown", "upstream", "speed"])
+    rp.add_argument("--inputs", nargs="+", required=True, type=Path)
+    rp.add_argument("--pretrain", nargs="*", default=[], type=Path)
+    rp.add_argument("--title", required=True)
+    rp.add_argument("--section", required=True)
+    rp.add_argument("--config-names", required=True)
+    rp.add_argument("--out", required=True, type=Path)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
 
@@ -151,6 +159,12 @@ def _dispatch(args: argparse.Namespace, cfg) -> None:
 
         a = args
         print(validity.run(a.hpo, a.federated_rule, a.finetune, a.out, a.gpu_summary))
+    elif args.stage == "report-page":
+        from dpadapter.stages import report
+
+        a = args
+        report.run(cfg, a.kind, a.inputs, a.out, a.title, a.section, a.config_names, a.pretrain)
+        _print_written([a.out])
 
 
 if __name__ == "__main__":

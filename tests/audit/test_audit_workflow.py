@@ -58,5 +58,8 @@ def test_audit_target_end_to_end(tmp_path, tiny_raw):
     assert got == [("dpsgd", 1.0), ("federated-gaussian", 1.0)]
     fed = json.loads((wd / "results/audit/federated-gaussian/eps1/audit.json").read_text())
     assert fed["epsilon_lb"] <= fed["claimed_epsilon"] and fed["steps"] == 20
-    assert "| dpsgd |" in (wd / "results/summary/audit.md").read_text()
+    md = (wd / "results/summary/audit.md").read_text()
+    assert "| dpsgd |" in md and "(n=1)†" in md and "How to read this" in md
+    dry = _snakemake(wd, "-n", "report_all")  # the report gets an audit page
+    assert dry.returncode == 0 and "report_audit" in dry.stdout + dry.stderr, dry.stderr[-2000:]
     assert (wd / "results/figures/audit_lower_bound.png").stat().st_size > 0

@@ -67,7 +67,13 @@ def test_rows_csv_and_rule_report(metrics, tmp_path, tiny_cfg):
     assert by_eps[8.0]["winner"] == "ft" and not by_eps[8.0]["hit"]
     out = tmp_path / "s"
     summary.run(
-        tiny_cfg, metrics, out / "federated.csv", out / "rule.json", out / "e.png", out / "r.png"
+        tiny_cfg,
+        metrics,
+        out / "federated.csv",
+        out / "rule.json",
+        out / "e.png",
+        out / "r.png",
+        out / "federated.md",
     )
     got = list(csv.DictReader(open(out / "federated.csv")))
     assert list(got[0])[:8] == [
@@ -85,5 +91,7 @@ def test_rows_csv_and_rule_report(metrics, tmp_path, tiny_cfg):
     ht1 = [r for r in got if r["strategy"] == "ht" and r["epsilon"] == "1" and r["rounds"] == "20"]
     assert float(ht1[0]["mean_accuracy"]) == pytest.approx(0.605)
     assert json.loads((out / "rule.json").read_text())["hits"] == 1
+    md = (out / "federated.md").read_text()
+    assert "| standard | HT (head) | 60.5 ± " in md and "(n=2)" in md and "How to read this" in md
     for png in ("e.png", "r.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

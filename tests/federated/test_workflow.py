@@ -86,3 +86,8 @@ def test_federated_target_end_to_end(tmp_path, tiny_raw):
     assert rule["n_cells"] == 2
     assert (wd / "results/figures/federated_accuracy_vs_epsilon.png").stat().st_size > 1000
     assert list((wd / "results/benchmarks/federated").rglob("*.tsv"))
+    md = (wd / "results/summary/federated.md").read_text()
+    assert "| standard | HT (head) |" in md and "(n=1)†" in md and "How to read this" in md
+    # once the federated summary exists, the report gets its page (and its figures)
+    dry = _snakemake(wd, "-n", "report_all")
+    assert dry.returncode == 0 and "report_federated" in dry.stdout + dry.stderr, dry.stderr[-2000:]

@@ -40,7 +40,9 @@ def test_csv_columns_and_table3(tmp_path):
     got = list(csv.DictReader(open(tmp_path / "hpo.csv")))
     assert list(got[0])[:4] == ["method", "accuracy", "total_epsilon", "target_epsilon"]
     md = (tmp_path / "hpo.md").read_text()
-    assert "| standard | t | dpsgd | 50.0 | 90.0 | 80.0 | 75.0 |" in md
+    # one HPO seed each: every accuracy is marked as n = 1 (no spread), RERR of the means
+    assert "| standard | t | dpsgd | 50.0 (n=1)† | 90.0 (n=1)† | 80.0 (n=1)† | 75.0 |" in md
+    assert "How to read this" in md
     assert "Grid oracle (HPO cost not incl.)" in md
 
 

@@ -226,6 +226,7 @@ def test_oracle_and_summary(tmp_path):
     assert math.isnan(ci["estimate"]) or ci["low"] <= ci["estimate"] <= ci["high"]
     md = probe_summary.markdown(result)
     assert "Premise" in md and "NOT covered" in md and "RERR" in md
+    assert "(n=3)" in md and "How to read this" in md  # three HPO seeds per accuracy cell
 
 
 # --- config ------------------------------------------------------------------------------------

@@ -71,8 +71,11 @@ def test_markdown_has_one_block_per_algorithm_and_no_empty_rows(grid):
         ("gep", "standard"),  # not gep x scratch: never run, so no row of dashes
     ]
     dpsgd_standard = [c.strip() for c in body[1].split("|")[1:-1]]
-    assert dpsgd_standard[2] == "84.0 ± 4.0"  # a eps=1: mean ± std over the 3 seeds
+    assert dpsgd_standard[2] == "84.0 ± 4.0 (n=3)"  # a eps=1: mean ± std over the 3 seeds
+    # eps=4 equals eps=1 here: no drop, so no flag
+    assert dpsgd_standard[3] == "84.0 ± 4.0 (n=3)"
     assert dpsgd_standard[-1] == "84.0"  # average over both tasks at eps=4
     gep = [c.strip() for c in body[2].split("|")[1:-1]]
-    # one seed: no ± ; one task of two: no average
-    assert gep[4] == "50.0" and gep[-2] == "–"
+    # one seed: no ±, marked n = 1 ; one task of two: no average
+    assert gep[4] == "50.0 (n=1)†" and gep[-2] == "–"
+    assert "How to read this" in md

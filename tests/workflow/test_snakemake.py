@@ -1,7 +1,10 @@
-"""The Snakemake workflow end to end on the tiny synthetic config, and dry runs of the real ones."""
+"""The Snakemake workflow end to end on the tiny synthetic config (its results, then its report in
+a browser), and dry runs of the real ones."""
 
+import copy
 import csv
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -10,6 +13,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+from report_browser import open_report
+from tiny_config import TINY_RAW
 
 REPO = Path(__file__).resolve().parents[2]
 SNAKEMAKE = [sys.executable, "-m", "snakemake"]
@@ -43,10 +48,16 @@ def _snakemake(
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
 
 
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """The tiny pipeline, run once for the module: its results and then its report."""
+    wd = _workdir(tmp_path_factory.mktemp("tiny"), copy.deepcopy(TINY_RAW))
+    return wd, _snakemake(wd)
+
+
 @pytest.mark.slow
-def test_pipeline_end_to_end_on_tiny_config(tmp_path, tiny_raw):
-    wd = _workdir(tmp_path, tiny_raw)
-    r = _snakemake(wd)
+def test_pipeline_end_to_end_on_tiny_config(tiny_run):
+    wd, r = tiny_run
     assert r.returncode == 0, r.stderr[-3000:]
     rows = list(csv.DictReader(open(wd / "results/summary/finetune.csv")))
     assert list(rows[0])[:7] == [
@@ -70,6 +81,7 @@ def test_pipeline_end_to_end_on_tiny_config(tmp_path, tiny_raw):
         assert r["n_seeds"] == "1" and 0 <= float(r["mean_accuracy"]) <= 1
     md = (wd / "results/summary/finetune.md").read_text()
     assert "| dpsgd | standard |" in md and "syn-shift ε=4" in md
+    assert "(n=1)†" in md and "How to read this" in md  # one seed: every cell is marked
     # every training job logged exactly one MLflow run, tagged with its stage, nested under the
     # one group run of its stage (parallel jobs made one each, not one per job)
     import mlflow
@@ -138,3 +150,54 @@ def test_dpsat_table2_config_dry_run_shows_the_table(tmp_path, name):
     counts = dict(re.findall(r"^(\w+)\s+(\d+)\s*$", out.split("Job stats:", 1)[1], re.M))
     assert counts["finetune"] == "45" and counts["reference"] == "1", counts
     assert "warmup" not in counts, counts
+
+
+# Screenshots of the report as a browser shows it, kept for CI to publish.
+ARTIFACTS = REPO / "results" / "test-artifacts"
+
+
+def _chromium() -> str:
+    exe = shutil.which("chromium")
+    if exe:
+        return exe
+    if shutil.which("apt-get") and os.geteuid() == 0:
+        pytest.fail("chromium is missing although apt is usable: `make setup` installs it")
+    pytest.skip("chromium is not installed and cannot be here (apt-get unusable or not root)")
+
+
+@pytest.mark.slow
+def test_report_shows_the_tables_and_figures_in_a_browser(tiny_run):
+    """`make report`'s two steps on the tiny run, then the report opened in headless Chromium."""
+    chromium = _chromium()
+    wd, first = tiny_run
+    assert first.returncode == 0, first.stderr[-3000:]
+    built = _snakemake(wd, "report_all")
+    assert built.returncode == 0, built.stderr[-3000:]
+    html = wd / "results" / "report.html"
+    made = _snakemake(wd, "--report", str(html), "report_all")
+    assert made.returncode == 0, made.stderr[-3000:]
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+
+    table = open_report(chromium, html, "table", ARTIFACTS / "report-finetune-table.png")
+    assert table["categories"] == ["1. Fine-tuning", "2. Upstream robustness", "7. Speed"]
+    assert table["table"] == "results/report/finetune.html"
+    # the fine-tuning table, parsed by the browser from the report's own page: header and cells
+    assert table["table_header"][:4] == ["Algorithm", "Upstream", "syn-same ε=1", "syn-same ε=4"]
+    cells = table["table_cells"]
+    width = len(table["table_header"])  # 2 keys, 2 tasks x 2 eps, 2 averages, 2 public columns
+    rows = [cells[i : i + width] for i in range(0, len(cells), width)]
+    assert [r[:2] for r in rows] == [["dpsgd", "scratch"], ["dpsgd", "standard"]], cells
+    for r in rows:  # one seed, one pre-training run: every measured cell says n = 1
+        assert all(re.fullmatch(r"\d+\.\d \(n=1\)†( \?)?", c) for c in r[2:6] + r[8:]), r
+    # its caption says which config, how many seeds and what ε means
+    caption = table["table_caption"]
+    assert "config.yaml" in caption and "1 seed(s)" in caption
+    assert "PRV accountant" in caption and "δ = 1e-05" in caption
+    assert table["frame_shown"], "the table page is not displayed in the report's view"
+    assert (ARTIFACTS / "report-finetune-table.png").stat().st_size > 10_000
+
+    fig = open_report(chromium, html, "figure", ARTIFACTS / "report-figure.png")
+    assert fig["figure"] == "results/figures/accuracy_vs_epsilon_dpsgd.png"
+    assert fig["img_natural_width"] > 100  # decoded and laid out, not a broken image
+    assert "error bars are the std over fine-tuning seeds" in fig["figure_caption"]
+    assert (ARTIFACTS / "report-figure.png").stat().st_size > 10_000

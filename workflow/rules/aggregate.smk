@@ -36,13 +36,15 @@ rule figures:
         csv=f"{RESULTS}/summary/finetune.csv",
         pretrain=expand(f"{RESULTS}/pretrain/{{upstream}}/metrics.json", upstream=UPSTREAMS),
     output:
-        expand(f"{RESULTS}/figures/accuracy_vs_epsilon_{{algo}}.{{ext}}", algo=FIGURE_ALGOS, ext=["png", "csv"]),
-        f"{RESULTS}/figures/robustness_vs_accuracy.png",
+        report_figure(expand(f"{RESULTS}/figures/accuracy_vs_epsilon_{{algo}}.png", algo=FIGURE_ALGOS), "accuracy_vs_epsilon", "finetune"),
+        expand(f"{RESULTS}/figures/accuracy_vs_epsilon_{{algo}}.csv", algo=FIGURE_ALGOS),
+        report_figure(f"{RESULTS}/figures/robustness_vs_accuracy.png", "robustness_vs_accuracy", "upstream"),
         f"{RESULTS}/figures/robustness_vs_accuracy.csv",
     params:
         python=python_exe,
         config=config_file,
         out=out_dir,
+        about=report_about("finetune", "upstream"),
     log:
         f"{RESULTS}/logs/figures.log",
     conda:

@@ -54,10 +54,11 @@ rule audit_summary:
     output:
         csv=f"{RESULTS}/summary/audit.csv",
         md=f"{RESULTS}/summary/audit.md",
-        fig=f"{RESULTS}/figures/audit_lower_bound.png",
+        fig=report_figure(f"{RESULTS}/figures/audit_lower_bound.png", "audit_lower_bound", "audit"),
     params:
         python=python_exe,
         config=config_file,
+        about=report_about("audit"),
     log:
         f"{RESULTS}/logs/audit_summary.log",
     conda:

@@ -62,11 +62,13 @@ rule federated_summary:
     output:
         csv=f"{RESULTS}/summary/federated.csv",
         rule=f"{RESULTS}/summary/federated_rule.json",
-        eps=f"{RESULTS}/figures/federated_accuracy_vs_epsilon.png",
-        rounds=f"{RESULTS}/figures/federated_accuracy_vs_rounds.png",
+        eps=report_figure(f"{RESULTS}/figures/federated_accuracy_vs_epsilon.png", "federated_accuracy_vs_epsilon", "federated"),
+        rounds=report_figure(f"{RESULTS}/figures/federated_accuracy_vs_rounds.png", "federated_accuracy_vs_rounds", "federated"),
+        md=f"{RESULTS}/summary/federated.md",
     params:
         python=python_exe,
         config=config_file,
+        about=report_about("federated"),
     log:
         f"{RESULTS}/logs/federated_summary.log",
     conda:
@@ -78,7 +80,7 @@ rule federated_summary:
     shell:
         "{params.python} -m dpadapter --config {params.config} federated summary "
         "--metrics {input} --csv {output.csv} --rule {output.rule} --fig-eps {output.eps} "
-        "--fig-rounds {output.rounds} > {log} 2>&1"
+        "--fig-rounds {output.rounds} --md {output.md} > {log} 2>&1"
 
 
 rule federated:

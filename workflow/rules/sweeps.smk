@@ -20,14 +20,15 @@ rule sweeps:
         pretrain=expand(f"{RESULTS}/pretrain/{{u}}/metrics.json", u=SWEEP_UPSTREAMS + ["standard"]),
         finetune=SWEEP_FINETUNE,
     output:
-        f"{RESULTS}/figures/gamma_sweep.png",
+        report_figure(f"{RESULTS}/figures/gamma_sweep.png", "gamma_sweep", "sweeps"),
         f"{RESULTS}/figures/gamma_sweep.csv",
-        f"{RESULTS}/figures/sam_vs_dpadapter.png",
+        report_figure(f"{RESULTS}/figures/sam_vs_dpadapter.png", "sam_vs_dpadapter", "sweeps"),
         f"{RESULTS}/figures/sam_vs_dpadapter.csv",
     params:
         python=python_exe,
         config=config_file,
         out=out_dir,
+        about=report_about("sweeps"),
     log:
         f"{RESULTS}/logs/sweeps.log",
     conda:

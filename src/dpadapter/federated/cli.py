@@ -22,6 +22,7 @@ def add_parsers(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--rule", required=True, type=Path)
     s.add_argument("--fig-eps", required=True, type=Path)
     s.add_argument("--fig-rounds", required=True, type=Path)
+    s.add_argument("--md", required=True, type=Path)
 
 
 def run(cfg, args: argparse.Namespace) -> None:
@@ -46,4 +47,4 @@ def run(cfg, args: argparse.Namespace) -> None:
     else:
         from dpadapter.federated import summary
 
-        summary.run(cfg, args.metrics, args.csv, args.rule, args.fig_eps, args.fig_rounds)
+        summary.run(cfg, args.metrics, args.csv, args.rule, args.fig_eps, args.fig_rounds, args.md)

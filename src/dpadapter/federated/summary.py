@@ -215,8 +215,58 @@ def _assumption_summary(cells: list[dict]) -> dict:
     return out
 
 
+STRATEGY_LABELS = {"scratch": "scratch", "ht": "HT (head)", "ft": "FT (full)", "ut": "UT (rule)"}
+
+
+def markdown(rows: list[dict], report: dict) -> str:
+    """federated.md: one table per (mechanism, rounds), rows upstream x strategy, columns ε."""
+    from dpadapter.tables import Stat, flagged_cells, how_to_read
+
+    cells = flagged_cells(
+        ((r["mechanism"], r["rounds"], r["upstream"], r["strategy"]), r["epsilon"],
+         Stat(r["mean_accuracy"], r["std_accuracy"], r["n_seeds"]))
+        for r in rows
+    )  # fmt: skip
+    lines = [
+        "# DP federated fine-tuning: test accuracy (%), mean ± std over seeds",
+        "",
+        "ε: the largest ε any client spent, an upper bound from that client's accountant over "
+        "every round it took part in (docs/federated.md).",
+    ]
+    for mech, rounds in sorted({(r["mechanism"], r["rounds"]) for r in rows}):
+        part = [r for r in rows if (r["mechanism"], r["rounds"]) == (mech, rounds)]
+        epss = sorted({r["epsilon"] for r in part})
+        keys = list(dict.fromkeys((r["upstream"], r["strategy"]) for r in part))
+        lines += [
+            "",
+            f"## {mech} mechanism, T = {rounds} rounds",
+            "",
+            "| Upstream | Strategy | " + " | ".join(f"ε={e:g}" for e in epss) + " |",
+            "|---|---|" + "---|" * len(epss),
+        ]
+        for up, strat in keys:
+            row = [cells.get(((mech, rounds, up, strat), e), "–") for e in epss]
+            label = STRATEGY_LABELS.get(strat, strat)
+            lines.append(f"| {up} | {label} | " + " | ".join(row) + " |")
+    lines += ["", how_to_read()]
+    if report.get("n_cells"):
+        lines += [
+            "",
+            f"T1 rule (UT's choice between HT and FT): {report['hits']}/{report['n_cells']} cells "
+            f"predicted the winner; {report['n_cells'] - report['n_cells_beyond_noise']} of the "
+            "cells have an HT-FT gap within the larger std of the two (their winner is noise).",
+        ]
+    return "\n".join(lines) + "\n"
+
+
 def run(
-    cfg, metrics: list[Path], csv_path: Path, rule_path: Path, fig_eps: Path, fig_rounds: Path
+    cfg,
+    metrics: list[Path],
+    csv_path: Path,
+    rule_path: Path,
+    fig_eps: Path,
+    fig_rounds: Path,
+    md_path: Path,
 ) -> dict:
     from dpadapter import plots_federated
     from dpadapter.stages.job import write_json
@@ -225,6 +275,7 @@ def run(
     write_csv(rows, csv_path, COLUMNS)
     report = rule_report(rows, preds, rule_assumptions(metrics))
     write_json(rule_path, report)
+    md_path.write_text(markdown(rows, report))
     fed = cfg.federated
     title = f"{cfg.model.name}, {fed.clients} clients, Dirichlet alpha={fed.dirichlet_alpha:g}"
     plots_federated.accuracy_vs_epsilon(rows, fig_eps, rounds=fed.rounds, title=title)

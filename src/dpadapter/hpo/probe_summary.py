@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from dpadapter.stats import t_interval
+from dpadapter.tables import Stat, flagged_cells, how_to_read
 
 COLUMNS = [
     "upstream",
@@ -165,6 +166,12 @@ def markdown(result: dict[str, Any]) -> str:
             "| target ε | method | test acc | RERR [95 % CI] | max total ε | covered |",
             "|---|---|---|---|---|---|",
         ]
+        acc = flagged_cells(
+            (name, float(k), Stat.of(b[name]["accuracy"]))
+            for k, b in c["targets"].items()
+            for name in ("accounted", "raw")
+            if name in b
+        )
         for k in sorted(c["targets"], key=float):
             b = c["targets"][k]
             for name in ("accounted", "raw"):
@@ -172,15 +179,13 @@ def markdown(result: dict[str, Any]) -> str:
                     continue
                 e = b[name]
                 ci = e["rerr_interval"]
-                acc = np.asarray(e["accuracy"])
-                sd = acc.std(ddof=1) if len(acc) > 1 else 0.0
                 lines.append(
-                    f"| {k} | {LABELS[name]} | {100 * acc.mean():.1f} ± {100 * sd:.1f} | "
+                    f"| {k} | {LABELS[name]} | {acc[(name, float(k))]} | "
                     f"{ci['estimate']:.2f} [{ci['low']:.2f}, {ci['high']:.2f}] | "
                     f"{e['max_total_epsilon']:.4f} | "
                     f"{'yes' if e['covered_by_guarantee'] else 'NO'} |"
                 )
-        lines.append("")
+        lines += ["", how_to_read("test accuracy (%)", "HPO seeds"), ""]
     return "\n".join(lines)
 
 

@@ -15,6 +15,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from dpadapter.stages.aggregate import write_csv
+from dpadapter.tables import Stat, cell, flagged_cells, how_to_read
 
 COLUMNS = [
     "method",
@@ -124,21 +125,26 @@ def markdown(rows: list[dict]) -> str:
         "| tuning accounted |",
         "|---|---|---|---|---|---|---|---|",
     ]
+    # A method's rows at several target budgets are flagged against each other.
+    acc = flagged_cells(
+        ((k[:3], k[3]), r["target_epsilon"], Stat(r["accuracy"], r["std_accuracy"], r["n_seeds"]))
+        for k, r in by.items()
+    )
     for k in keys:
         for m in METHODS:
             r = by.get((*k, m))
             if r is None:
                 continue
-            acc = f"{100 * r['accuracy']:.1f}" + (
-                f" ± {100 * r['std_accuracy']:.1f}" if r["n_seeds"] > 1 else ""
-            )
+            shown = acc[((k, m), float(r["target_epsilon"]))]
             lines.append(
-                f"| {k[0]} | {k[1]} | {k[2]} | {LABELS[m]} | {acc} | {r['total_epsilon']:.3f} | "
+                f"| {k[0]} | {k[1]} | {k[2]} | {LABELS[m]} | {shown} | {r['total_epsilon']:.3f} | "
                 f"{r['target_epsilon']:g} | {'yes' if r['tuning_accounted'] else 'no'} |"
             )
     lines += [
         "",
-        "Table 3 analogue (RERR = (linear − random) / (oracle − random)):",
+        how_to_read("test accuracy (%) of the final model", "HPO seeds"),
+        "",
+        "Table 3 analogue (RERR = (linear − random) / (oracle − random), of the means):",
         "",
         "| Upstream | Task | Algorithm | Random search | Oracle | Ours | RERR (%) |",
         "|---|---|---|---|---|---|---|",
@@ -149,8 +155,9 @@ def markdown(rows: list[dict]) -> str:
             continue
         rs, orc, lin = (g["accuracy"] for g in got)
         e = rerr(lin, rs, orc)
+        shown = " | ".join(cell(Stat(g["accuracy"], g["std_accuracy"], g["n_seeds"])) for g in got)
         lines.append(
-            f"| {k[0]} | {k[1]} | {k[2]} | {100 * rs:.1f} | {100 * orc:.1f} | {100 * lin:.1f} | "
+            f"| {k[0]} | {k[1]} | {k[2]} | {shown} | "
             f"{'n/a (oracle ≤ random)' if math.isnan(e) else f'{100 * e:.1f}'} |"
         )
     notes = sorted({r["note"] for r in rows if r["method"] == "linear_scaling" and r["note"]})

@@ -8,6 +8,8 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
+from dpadapter.tables import Stat, cell, flagged_cells, how_to_read
+
 COLUMNS = [
     "upstream",
     "task",
@@ -18,6 +20,7 @@ COLUMNS = [
     "n_seeds",
     "mean_robust_accuracy",
     "mean_epsilon_spent",
+    "std_robust_accuracy",
 ]
 
 
@@ -29,18 +32,20 @@ def collect(paths: list[Path]) -> list[dict]:
         groups[(w["upstream"], w["task"], w["algo"], float(w["eps"]))].append(m)
     rows = []
     for (up, task, algo, eps), ms in sorted(groups.items()):
-        accs = [m["test_accuracy"] for m in ms]
+        acc = Stat.of([m["test_accuracy"] for m in ms])
+        robust = Stat.of([m["test_robust_accuracy"] for m in ms])
         rows.append(
             {
                 "upstream": up,
                 "task": task,
                 "algorithm": algo,
                 "epsilon": eps,
-                "mean_accuracy": statistics.fmean(accs),
-                "std_accuracy": statistics.stdev(accs) if len(accs) > 1 else 0.0,
-                "n_seeds": len(accs),
-                "mean_robust_accuracy": statistics.fmean(m["test_robust_accuracy"] for m in ms),
+                "mean_accuracy": acc.mean,
+                "std_accuracy": acc.std,
+                "n_seeds": acc.n,
+                "mean_robust_accuracy": robust.mean,
                 "mean_epsilon_spent": statistics.fmean(m["privacy"]["epsilon"] for m in ms),
+                "std_robust_accuracy": robust.std,
             }
         )
     return rows
@@ -62,8 +67,16 @@ def write_csv(rows: list[dict], path: Path, columns: list[str] = COLUMNS) -> Non
             w.writerow({k: _cell(k, r[k]) for k in columns if k in r})
 
 
-def _fmt(mean: float, std: float, n: int) -> str:
-    return f"{100 * mean:.1f} ± {100 * std:.1f}" if n > 1 else f"{100 * mean:.1f}"
+def _cells(rows: list[dict], mean: str, std: str) -> dict[tuple, str]:
+    """Flagged cells keyed by (algorithm, upstream, task, epsilon), rows of one (a, u, t)."""
+    return {
+        (*key, eps): text
+        for (key, eps), text in flagged_cells(
+            ((r["algorithm"], r["upstream"], r["task"]), r["epsilon"],
+             Stat(r[mean], r[std], r["n_seeds"]))
+            for r in rows
+        ).items()
+    }  # fmt: skip
 
 
 def table1_markdown(
@@ -78,6 +91,7 @@ def table1_markdown(
         u for u in present if u not in upstream_order
     ]
     by = {(r["algorithm"], r["upstream"], r["task"], r["epsilon"]): r for r in rows}
+    acc = _cells(rows, "mean_accuracy", "std_accuracy")
     head = (
         ["Algorithm", "Upstream"]
         + [f"{t} ε={e:g}" for t in tasks for e in epss]
@@ -86,7 +100,8 @@ def table1_markdown(
     if pretrain:
         head += ["public acc", "public robust acc"]
     lines = [
-        "Test accuracy (%) of DP fine-tuning, mean ± std over seeds.",
+        "Test accuracy (%) of DP fine-tuning, mean ± std over seeds (n = seeds); Average: the "
+        "mean of the task means.",
         "",
         "| " + " | ".join(head) + " |",
         "|" + "---|" * len(head),
@@ -98,10 +113,7 @@ def table1_markdown(
             cells = []
             for t in tasks:
                 for e in epss:
-                    r = by.get((a, u, t, e))
-                    cells.append(
-                        _fmt(r["mean_accuracy"], r["std_accuracy"], r["n_seeds"]) if r else "–"
-                    )
+                    cells.append(acc.get((a, u, t, e), "–"))
             for e in epss:
                 vals = [by[(a, u, t, e)]["mean_accuracy"] for t in tasks if (a, u, t, e) in by]
                 cells.append(
@@ -109,18 +121,21 @@ def table1_markdown(
                 )
             if pretrain:
                 p = pretrain.get(u, {})
+                # one pre-training run per upstream method
                 cells += [
-                    f"{100 * p['public_test_accuracy']:.1f}" if p else "–",
-                    f"{100 * p['public_test_robust_accuracy']:.1f}" if p else "–",
+                    cell(Stat(p["public_test_accuracy"], 0.0, 1)) if p else "–",
+                    cell(Stat(p["public_test_robust_accuracy"], 0.0, 1)) if p else "–",
                 ]
             lines.append(f"| {a} | {u} | " + " | ".join(cells) + " |")
-    lines.append("")
+    lines += ["", how_to_read(), ""]
     rob = sorted(
         {(r["algorithm"], r["upstream"]) for r in rows},
         key=lambda k: (algos.index(k[0]), ups.index(k[1])),
     )
+    robust = _cells(rows, "mean_robust_accuracy", "std_robust_accuracy")
     lines += [
-        "Robust test accuracy (%) of the fine-tuned models (Gaussian noise on all weights):",
+        "Robust test accuracy (%) of the fine-tuned models (Gaussian noise on all weights), "
+        "mean ± std over seeds, marked as above:",
         "",
     ]
     lines.append(
@@ -130,11 +145,7 @@ def table1_markdown(
     )
     lines.append("|" + "---|" * (2 + len(tasks) * len(epss)))
     for a, u in rob:
-        cells = [
-            f"{100 * by[(a, u, t, e)]['mean_robust_accuracy']:.1f}" if (a, u, t, e) in by else "–"
-            for t in tasks
-            for e in epss
-        ]
+        cells = [robust.get((a, u, t, e), "–") for t in tasks for e in epss]
         lines.append(f"| {a} | {u} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

@@ -1,0 +1,160 @@
+"""Pages of the Snakemake report (`make report`): every summary table as an HTML page.
+
+Snakemake's report shows a result inline only when it is an image, a PDF or an HTML page (a CSV
+or a markdown file is a download link), so each summary table is rendered here to a small
+standalone HTML page from the same markdown the pipeline prints: one source for the printed
+table and the report's. Two tables have no markdown of their own and are made here: the
+upstream models' public accuracy and robustness, and the wall time of the training jobs.
+
+`about` is the line every page and caption carries: which config, how many seeds, and what ε
+means (accountant, δ), so a page mailed on its own still says where it came from.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import re
+from collections import defaultdict
+from pathlib import Path
+
+from dpadapter.config import Config
+from dpadapter.tables import SINGLE, Stat, cell, how_to_read
+
+_ACCOUNTANTS = {"prv": "PRV accountant (Opacus)", "rdp": "RDP accountant (Opacus)"}
+
+# How many seeds or runs stand behind a cell, per section of the report.
+_SEEDS = {
+    "finetune": lambda c: (
+        f"{len(c.finetune.seeds)} seed(s) per cell of the main grid "
+        "(extra grids: their own; each cell says its n)"
+    ),
+    "upstream": lambda c: f"one pre-training run per upstream method (seed {c.seed})",
+    "hpo": lambda c: f"{len(c.hpo.seeds)} HPO seed(s)",
+    "federated": lambda c: f"{len(c.federated.seeds)} seed(s) per cell",
+    "audit": lambda c: "one audited run per algorithm and ε",
+    "sweeps": lambda c: f"{len(c.sweeps.seeds)} seed(s) per γ",
+    "speed": lambda c: "every training job of the main grid",
+    "validity": lambda c: "as each claim says",
+}
+
+
+def about(cfg: Config, section: str, config_names: str) -> str:
+    """Config, seeds and the meaning of ε, in one line."""
+    p = cfg.privacy
+    acc = _ACCOUNTANTS.get(p.accountant, p.accountant)
+    return (
+        f"Config: {config_names} (results in {cfg.results_dir}/). "
+        f"Seeds: {_SEEDS[section](cfg)}. "
+        f"ε: an upper bound on the privacy loss over every step taken, from the {acc} "
+        f"at δ = {p.delta:g} (docs/privacy.md)."
+    )
+
+
+_CSS = """
+body { font-family: system-ui, sans-serif; margin: 1.5em; color: #111; }
+table { border-collapse: collapse; margin: 0.8em 0; font-size: 0.9em; }
+th, td { border: 1px solid #bbb; padding: 0.25em 0.6em; text-align: right; }
+th { background: #eee; }
+td:first-child, td:nth-child(2), th:first-child, th:nth-child(2) { text-align: left; }
+td.inverted { background: #fbd5d5; }
+td.noise { background: #fdf3d0; }
+td.single { color: #666; }
+p.about { color: #444; font-size: 0.9em; border-left: 3px solid #999; padding-left: 0.6em; }
+"""
+
+# The marks of dpadapter.tables, coloured so they are seen before they are read.
+_MARKS = (("▼", "inverted"), ("≈", "noise"), ("?", "noise"), (SINGLE, "single"))
+
+
+def _mark_cells(body: str) -> str:
+    def sub(m: re.Match) -> str:
+        text = m.group(2)
+        cls = next((c for mark, c in _MARKS if text.rstrip().endswith(mark)), None)
+        return f'<td{m.group(1)} class="{cls}">{text}</td>' if cls else m.group(0)
+
+    return re.sub(r"<td([^>]*)>(.*?)</td>", sub, body)
+
+
+def page(markdown: str, title: str, about_line: str) -> str:
+    """A standalone HTML page of one summary (markdown tables rendered as HTML tables)."""
+    from markdown_it import MarkdownIt
+
+    body = MarkdownIt("commonmark", {"html": False}).enable("table").render(markdown)
+    return (
+        '<!DOCTYPE html>\n<html><head><meta charset="utf-8">'
+        f"<title>{html.escape(title)}</title><style>{_CSS}</style></head><body>\n"
+        f'<h1>{html.escape(title)}</h1>\n<p class="about">{html.escape(about_line)}</p>\n'
+        f"{_mark_cells(body)}</body></html>\n"
+    )
+
+
+def _metrics(paths: list[Path]) -> list[dict]:
+    return [json.loads(Path(p).read_text()) for p in paths]
+
+
+def upstream_markdown(pretrain: list[Path], order: list[str]) -> str:
+    """Public accuracy and robust accuracy of each upstream model (one pre-training run each)."""
+    by = {m["wildcards"]["upstream"]: m for m in _metrics(pretrain)}
+    names = [u for u in order if u in by] + sorted(u for u in by if u not in order)
+    lines = [
+        "Public test accuracy (%) of each upstream model, and its robust accuracy (Gaussian noise "
+        "on all weights, the noise of `robustness`): what pre-training hands to DP fine-tuning.",
+        "",
+        "| Upstream | public acc | public robust acc | robust − plain |",
+        "|---|---|---|---|",
+    ]
+    for u in names:
+        m = by[u]
+        a, r = m["public_test_accuracy"], m["public_test_robust_accuracy"]
+        lines.append(
+            f"| {u} | {cell(Stat(a, 0.0, 1))} | {cell(Stat(r, 0.0, 1))} | {100 * (r - a):+.1f} |"
+        )
+    lines += ["", how_to_read("accuracy (%)", "pre-training runs", upper_bounds=False)]
+    return "\n".join(lines) + "\n"
+
+
+def speed_markdown(finetune: list[Path], pretrain: list[Path]) -> str:
+    """Wall time of the training jobs (seconds, from each job's metrics.json)."""
+    groups: dict[tuple[str, str], list[float]] = defaultdict(list)
+    for m in _metrics(pretrain):
+        groups[("pretrain", m["wildcards"]["upstream"])].append(m["wall_time_s"])
+    for m in _metrics(finetune):
+        groups[("finetune", m["wildcards"]["algo"])].append(m["wall_time_s"])
+    lines = [
+        "Wall time (s) of one training job, mean ± std over the jobs of each kind (every "
+        "upstream method, task, ε and seed of that algorithm), as it ran under `make run` "
+        "(jobs share the machine, so this is the time a user waits, not an isolated "
+        "benchmark; docs/speed.md has those).",
+        "",
+        "| Stage | Algorithm / method | wall time per job (s) |",
+        "|---|---|---|",
+    ]
+    for (stage, name), ts in sorted(groups.items()):
+        lines.append(f"| {stage} | {name} | {cell(Stat.of(ts), scale=1.0, digits=1)} |")
+    lines += ["", how_to_read("wall time (s)", "jobs", upper_bounds=False)]
+    return "\n".join(lines) + "\n"
+
+
+def run(
+    cfg: Config,
+    kind: str,
+    inputs: list[Path],
+    out: Path,
+    title: str,
+    section: str,
+    config_names: str,
+    pretrain: list[Path] | None = None,
+) -> Path:
+    """One report page: `markdown` renders inputs[0]; `upstream` and `speed` build a table."""
+    if kind == "markdown":
+        md = Path(inputs[0]).read_text()
+    elif kind == "upstream":
+        md = upstream_markdown(inputs, list(cfg.upstreams))
+    elif kind == "speed":
+        md = speed_markdown(inputs, pretrain or [])
+    else:
+        raise ValueError(f"unknown report page kind {kind!r}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(page(md, title, about(cfg, section, config_names)))
+    return out
