@@ -27,20 +27,25 @@ $(STAMP): requirements.txt pyproject.toml
 	    && $(PIP_INSTALL) --no-deps --no-build-isolation -e .; fi
 	touch $(STAMP)
 
-setup: $(STAMP) data browser
+setup: $(STAMP) data
 
 # Fashion-MNIST ships as a Debian package; install it when missing and apt is usable.
 data:
 	@if [ ! -e /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz ] && command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
 	  (apt-get update -qq && apt-get install -y -qq dataset-fashion-mnist) >/dev/null || echo "warning: could not install dataset-fashion-mnist"; fi
 
-# Headless Chromium, with which the tests open the Snakemake report (tests/workflow/test_report.py);
-# Debian's package, installed when missing and apt is usable, as for the dataset.
-browser:
-	@if command -v chromium >/dev/null; then :; \
+# Headless Chromium, with which the tests open the Snakemake report (tests/workflow/
+# test_snakemake.py); Debian's package, installed when missing and apt is usable, as for the
+# dataset. Only `make test` needs it. Where it cannot be installed, the reason goes to
+# $(VENV)/.no-chromium and the browser test skips with it (without that file it fails).
+browser: $(STAMP)
+	@rm -f $(VENV)/.no-chromium; if command -v chromium >/dev/null; then :; \
 	elif command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
-	  (apt-get update -qq && apt-get install -y -qq chromium) >/dev/null || echo "warning: could not install chromium (the report's browser test will skip)"; \
-	else echo "warning: chromium is missing and apt is not usable here (not root): the report's browser test will skip"; fi
+	  (apt-get update -qq && apt-get install -y -qq chromium) >/dev/null \
+	    || { echo "warning: could not install chromium (the report's browser test will skip)"; \
+	         echo "apt-get install chromium failed" > $(VENV)/.no-chromium; }; \
+	else echo "warning: chromium is missing and apt is not usable here (not root): the report's browser test will skip"; \
+	  echo "chromium is missing and apt-get is not usable (not root)" > $(VENV)/.no-chromium; fi
 
 run: setup
 	$(BIN)/snakemake --cores $(CORES) --configfile $(CONFIG) --rerun-incomplete
@@ -84,7 +89,7 @@ validity: setup
 # The whole suite, tests/cluster included (a real one-node Slurm, DVC round trip, MLflow under
 # load, SIGKILL resume). Two xdist workers, one test file per worker at a time: the cluster tests
 # mostly wait on daemons and subprocesses, so the suite takes about half its serial time.
-test: setup
+test: setup browser
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile
 
 test-cluster: setup

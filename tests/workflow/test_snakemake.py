@@ -160,8 +160,11 @@ def _chromium() -> str:
     exe = shutil.which("chromium")
     if exe:
         return exe
+    why = REPO / ".venv" / ".no-chromium"  # `make browser` says why it could not install it
+    if why.is_file():
+        pytest.skip(f"chromium cannot be installed here: {why.read_text().strip()}")
     if shutil.which("apt-get") and os.geteuid() == 0:
-        pytest.fail("chromium is missing although apt is usable: `make setup` installs it")
+        pytest.fail("chromium is missing although apt is usable: `make browser` installs it")
     pytest.skip("chromium is not installed and cannot be here (apt-get unusable or not root)")
 
 
