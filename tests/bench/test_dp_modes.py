@@ -9,22 +9,14 @@ a wrong clipped sum makes it fail.
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
-
-BENCH = Path(__file__).resolve().parents[2] / "bench"
+from bench_scripts import import_bench
 
 
 @pytest.fixture(scope="module")
 def dp_modes():
-    sys.path.insert(0, str(BENCH))
-    try:
-        import dp_modes as module
-    finally:
-        sys.path.remove(str(BENCH))
-    return module
+    return import_bench("dp_modes")
 
 
 ARGS = ["--tiny", "--steps", "1", "--warmup", "0", "--settle", "1", "--threads", "1"]

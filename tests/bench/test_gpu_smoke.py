@@ -9,24 +9,17 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from bench_scripts import import_bench
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
 CPU = torch.device("cpu")
 
 
 @pytest.fixture(scope="module")
 def smoke():
-    sys.path.insert(0, str(BENCH))
-    try:
-        import gpu_smoke as module
-    finally:
-        sys.path.remove(str(BENCH))
-    return module
+    return import_bench("gpu_smoke")
 
 
 @pytest.fixture

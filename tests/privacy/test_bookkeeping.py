@@ -228,15 +228,7 @@ def test_backward_skips_the_unclipped_weight_gradients_and_restores_requires_gra
 def test_empty_batch_and_a_missing_backward():
     model, shape, classes = CASES["cnn-gn"]()
     bk = BookKeepingModule(model)
-    opt = attach_bookkeeping(
-        DPOptimizer(
-            torch.optim.SGD(bk.parameters(), lr=0.0),
-            noise_multiplier=0.0,
-            max_grad_norm=1.0,
-            expected_batch_size=4,
-        ),
-        bk,
-    )
+    opt = _noiseless_optimizer(bk, max_grad_norm=1.0)
     for p in opt.params:  # what the algorithms do for an empty Poisson batch
         p.grad_sample = torch.zeros((0, *p.shape))
     opt.clip_and_accumulate()
@@ -314,6 +306,15 @@ def test_clipping_runs_in_full_fp32_and_restores_the_flags(tf32_on, monkeypatch)
     assert _tf32_flags() == ("high", True), "the clip must restore the job's TF32 setting"
 
 
+def _noiseless_optimizer(wrapped: nn.Module, max_grad_norm: float) -> DPOptimizer:
+    """A σ = 0 DP optimizer over a batch of 4, clipping the way `wrapped` records gradients."""
+    base = torch.optim.SGD(wrapped.parameters(), lr=0.1)
+    opt = DPOptimizer(
+        base, noise_multiplier=0.0, max_grad_norm=max_grad_norm, expected_batch_size=4
+    )
+    return bind_optimizer(opt, wrapped)
+
+
 @pytest.mark.parametrize("mode", ["hooks", "ew", "functorch"])
 def test_opacus_modes_clip_in_full_fp32(tf32_on, monkeypatch, mode):
     """Opacus' norms and clipped sum (one call) see TF32 off; the job's flags come back."""
@@ -329,15 +330,7 @@ def test_opacus_modes_clip_in_full_fp32(tf32_on, monkeypatch, mode):
     monkeypatch.setattr(opt_mod.DPOptimizer, "clip_and_accumulate", spy)
     model, shape, classes = CASES["cnn-gn"]()
     gsm = wrap_for_dp(model, mode)
-    opt = bind_optimizer(
-        DPOptimizer(
-            torch.optim.SGD(gsm.parameters(), lr=0.1),
-            noise_multiplier=0.0,
-            max_grad_norm=0.1,
-            expected_batch_size=4,
-        ),
-        gsm,
-    )
+    opt = _noiseless_optimizer(gsm, max_grad_norm=0.1)
     x, y = _data(shape, classes, n=4)
     torch.nn.functional.cross_entropy(gsm(x.float()), y).backward()
     opt.step()
@@ -348,15 +341,7 @@ def test_opacus_modes_clip_in_full_fp32(tf32_on, monkeypatch, mode):
 def test_the_flags_are_restored_when_clipping_fails(tf32_on):
     model, shape, classes = CASES["cnn-gn"]()
     bk = BookKeepingModule(model)
-    opt = attach_bookkeeping(
-        DPOptimizer(
-            torch.optim.SGD(bk.parameters(), lr=0.0),
-            noise_multiplier=0.0,
-            max_grad_norm=1.0,
-            expected_batch_size=4,
-        ),
-        bk,
-    )
+    opt = _noiseless_optimizer(bk, max_grad_norm=1.0)
     x, _ = _data(shape, classes, n=4)
     bk(x.float())  # no backward: the clip raises
     with pytest.raises(RuntimeError, match="before the backward"):
