@@ -14,7 +14,7 @@ batch 2048, the embedded CNN `cnn-gn` width 16 batch 200) and each mode:
                backward; per-sample gradients are never stored;
 - `fgc`:       the same without ghost norms (per-sample gradient norms of every layer);
 - `bk`:        the pipeline's book-keeping path (`finetune.grad_sample_mode: bk`,
-               dpadapter.privacy.bookkeeping): one backward without the weights' unclipped
+               dpadapter.train.per_sample.bookkeeping): one backward without the weights' unclipped
                gradients, per-layer norms by ghost norm or per-example gradient (whichever is
                cheaper), the clipped sum as one weight-gradient kernel per layer.
 

@@ -35,8 +35,8 @@ from dpadapter.algorithms import ALGORITHMS
 from dpadapter.config import load
 from dpadapter.models import create_model
 from dpadapter.privacy import PrivacyLedger
-from dpadapter.stages.finetune import run_spec
 from dpadapter.train.batching import masked_cross_entropy, padded_size
+from dpadapter.train.dp_spec import run_spec
 from dpadapter.train.loops import make_sgd, standard_step
 from dpadapter.upstream import UPSTREAMS
 

@@ -46,7 +46,9 @@ from dpadapter.algorithms import ALGORITHMS  # noqa: E402
 from dpadapter.config import SGDConfig, from_dict  # noqa: E402
 from dpadapter.models import create_model, replace_head  # noqa: E402
 from dpadapter.privacy import Segment, epsilon_from_history  # noqa: E402
-from dpadapter.stages.finetune import dp_train, run_spec  # noqa: E402
+from dpadapter.stages.finetune import public_data  # noqa: E402
+from dpadapter.train.dp_fit import FitSettings, dp_fit  # noqa: E402
+from dpadapter.train.dp_spec import run_spec  # noqa: E402
 from dpadapter.train.loops import evaluate, robust_accuracy, sgd_train  # noqa: E402
 from dpadapter.upstream import UPSTREAMS  # noqa: E402
 
@@ -194,7 +196,8 @@ def train_once(name: str, cfg, train, start: torch.nn.Module, dev: torch.device)
     algo_cls.train_step = spy
     t0 = time.time()
     try:
-        _, ledger = dp_train(model, train, name, spec, cfg, seed=0)
+        settings = FitSettings.from_config(cfg)
+        _, ledger = dp_fit(model, train, name, spec, settings, 0, public=public_data(cfg))
     finally:
         algo_cls.train_step = original
     if dev.type == "cuda":

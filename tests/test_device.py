@@ -10,6 +10,7 @@ import torch
 
 from dpadapter import device as devices
 from dpadapter.stages import finetune, pretrain, warmup
+from dpadapter.train.resume import ResumeFile
 
 CUDA = torch.cuda.is_available()
 
@@ -100,17 +101,17 @@ def test_dp_job_on_cuda_keeps_the_ledger_and_resumes(algo, tiny_cfg, tmp_path, m
     assert p["epsilon"] == pytest.approx(epsilon_from_history(hist, p["delta"], p["accountant"]))
 
     # interrupted after epoch 1, then resumed: same weights and ledger as the full run
-    original = finetune._save_atomic
+    original = ResumeFile.save
 
-    def save_then_stop(obj, path):
-        original(obj, path)
+    def save_then_stop(self, obj):
+        original(self, obj)
         assert "cuda" in obj["torch_rng"]  # the CUDA RNG state is part of the resume state
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(finetune, "_save_atomic", save_then_stop)
+    monkeypatch.setattr(ResumeFile, "save", save_then_stop)
     with pytest.raises(KeyboardInterrupt):
         finetune.run(cfg, "scratch", "syn-shift", algo, 2.0, 0, ckpt, tmp_path / "res")
-    monkeypatch.setattr(finetune, "_save_atomic", original)
+    monkeypatch.setattr(ResumeFile, "save", original)
     resumed = finetune.run(cfg, "scratch", "syn-shift", algo, 2.0, 0, ckpt, tmp_path / "res")
     assert resumed["privacy"]["history"] == p["history"]
     wa = torch.load(tmp_path / "full" / "model.pt")["state_dict"]

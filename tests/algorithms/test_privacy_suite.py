@@ -19,7 +19,8 @@ from torch import nn
 
 from dpadapter.algorithms import ALGORITHMS
 from dpadapter.privacy import pld_epsilon
-from dpadapter.stages import finetune
+from dpadapter.train import dp_fit as fit
+from dpadapter.train.dp_spec import run_spec
 
 NAMES = sorted(ALGORITHMS)
 
@@ -164,9 +165,7 @@ def test_stage_run_spends_at_most_the_target_on_poisson_batches(
         finetune=dataclasses.replace(tiny_cfg.finetune, physical_batch_size=16),
     )
     train = algo_data.private
-    spec = dataclasses.replace(
-        finetune.run_spec(cfg, name, eps, len(train)), calibration_cache=sigma_cache
-    )
+    spec = dataclasses.replace(run_spec(cfg, name, eps, len(train)), calibration_cache=sigma_cache)
     logical: list[int] = []
     open_batch = [0]
     base = ALGORITHMS[name]
@@ -188,10 +187,17 @@ def test_stage_run_spends_at_most_the_target_on_poisson_batches(
                 open_batch[0] = 0
             return out
 
-    monkeypatch.setitem(finetune.ALGORITHMS, name, Observed)
+    monkeypatch.setitem(fit.ALGORITHMS, name, Observed)
     epochs: list[dict] = []
-    algo, ledger = finetune.dp_train(
-        H.tiny_model(), train, name, spec, cfg, seed=0, on_epoch=lambda e, st: epochs.append(st)
+    algo, ledger = fit.dp_fit(
+        H.tiny_model(),
+        train,
+        name,
+        spec,
+        fit.FitSettings.from_config(cfg),
+        0,
+        public=algo_data.public,
+        on_epoch=lambda e, st: epochs.append(st),
     )
 
     # every Poisson batch (empty ones too) is one release at the accountant's sampling rate

@@ -106,19 +106,28 @@ def test_restored_state_goes_to_the_device_asked_for(name, algo_data):
     assert all(t.device == meta for t in restored)
 
 
+class _Saves:
+    """A resume store in memory: `state` to start from, `save` called at each epoch's end."""
+
+    def __init__(self, state, save):
+        self.state, self.save = state, save
+
+
 def test_stage_resume_passes_the_parameters_device_and_dtype(tiny_cfg, algo_data, monkeypatch):
-    """finetune.dp_train hands the model's device and dtype to the algorithm's load_state_dict."""
-    from dpadapter.stages import finetune
+    """dp_fit hands the model's device and dtype to the algorithm's load_state_dict."""
+    from dpadapter.train import dp_fit as fit
+    from dpadapter.train.dp_spec import run_spec
 
     name = "dpsat"
     train = algo_data.private
     spec = dataclasses.replace(
-        finetune.run_spec(tiny_cfg, name, 4.0, len(train)),
+        run_spec(tiny_cfg, name, 4.0, len(train)),
         epochs=2,
         calibration_cache=H.CALIBRATION_CACHE,
     )
     saved: list[dict] = []
-    finetune.dp_train(H.tiny_model(), train, name, spec, tiny_cfg, seed=0, save_state=saved.append)
+    settings = fit.FitSettings.from_config(tiny_cfg)
+    fit.dp_fit(H.tiny_model(), train, name, spec, settings, 0, resume=_Saves(None, saved.append))
     assert len(saved) == 1 and tensors(saved[0]["algorithm"])
     seen: list[torch.Tensor] = []
 
@@ -127,8 +136,8 @@ def test_stage_resume_passes_the_parameters_device_and_dtype(tiny_cfg, algo_data
             super().load_state_dict(state, *args, **kwargs)
             seen.extend(tensors(self.state_dict()))
 
-    monkeypatch.setitem(finetune.ALGORITHMS, name, Spy)
+    monkeypatch.setitem(fit.ALGORITHMS, name, Spy)
     model = H.tiny_model().double()
-    finetune.dp_train(model, _double(train), name, spec, tiny_cfg, seed=0, resume=saved[0])
+    fit.dp_fit(model, _double(train), name, spec, settings, 0, resume=_Saves(saved[0], print))
     assert seen
     assert all(t.dtype == torch.float64 for t in seen)

@@ -8,6 +8,7 @@ import torch
 
 from dpadapter.privacy import Segment, epsilon_from_history, pld_epsilon
 from dpadapter.stages import finetune, pretrain
+from dpadapter.train.resume import ResumeFile
 
 
 @pytest.fixture
@@ -59,15 +60,15 @@ def test_interrupted_run_resumes_to_the_same_result(tiny_cfg, scratch_ckpt, tmp_
     w_full = torch.load(tmp_path / "full" / "model.pt")["state_dict"]
 
     # Kill the job right after the first epoch's state is written (as SIGKILL would).
-    real = finetune._save_atomic
+    real = ResumeFile.save
     calls = {"n": 0}
 
-    def save_then_die(obj, path):
-        real(obj, path)
+    def save_then_die(self, obj):
+        real(self, obj)
         calls["n"] += 1
         raise KeyboardInterrupt("killed")
 
-    monkeypatch.setattr(finetune, "_save_atomic", save_then_die)
+    monkeypatch.setattr(ResumeFile, "save", save_then_die)
     with pytest.raises(KeyboardInterrupt):
         _run(tiny_cfg, scratch_ckpt, tmp_path / "resumed")
     assert calls["n"] == 1 and not (tmp_path / "resumed" / "metrics.json").exists()
@@ -76,7 +77,7 @@ def test_interrupted_run_resumes_to_the_same_result(tiny_cfg, scratch_ckpt, tmp_
         {"upstream": "scratch", "task": "syn-shift", "algo": "dpsgd", "eps": "2", "seed": "0"},
     )
     assert state.is_file()
-    monkeypatch.setattr(finetune, "_save_atomic", real)
+    monkeypatch.setattr(ResumeFile, "save", real)
 
     resumed = _run(tiny_cfg, scratch_ckpt, tmp_path / "resumed")
     assert resumed["resumed_from_epoch"] == 1

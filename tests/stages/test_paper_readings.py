@@ -15,7 +15,7 @@ from dpadapter.data import build_splits
 from dpadapter.data.tasks import SplitError
 from dpadapter.privacy import Segment, epsilon_from_history
 from dpadapter.stages import finetune, pretrain
-from dpadapter.stages.finetune import run_spec, sample_rate
+from dpadapter.train.dp_spec import run_spec, sample_rate
 
 REPO = Path(__file__).resolve().parents[2]
 

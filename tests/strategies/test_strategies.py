@@ -53,18 +53,20 @@ def test_trainable_params_and_freezing(model):
     assert all(p.requires_grad for p in model.parameters())
 
 
-def _fast_spec(cfg, finetune, n):
+def _fast_spec(cfg, n):
     """One epoch (8 Poisson steps) with the RDP accountant: calibration takes milliseconds."""
     import dataclasses
 
-    return dataclasses.replace(finetune.run_spec(cfg, "dpsgd", 2.0, n), epochs=1, accountant="rdp")
+    from dpadapter.train.dp_spec import run_spec
+
+    return dataclasses.replace(run_spec(cfg, "dpsgd", 2.0, n), epochs=1, accountant="rdp")
 
 
 def _central(tiny_cfg, strategy, fraction, monkeypatch):
     """Run central DP fine-tuning with `strategy`; record (phase, backbone moved?) per step."""
     from dpadapter.data import build_splits
     from dpadapter.models import replace_head
-    from dpadapter.stages import finetune
+    from dpadapter.train import dp_fit as fit
 
     _, roles = build_splits(tiny_cfg, ["syn-shift"])
     data = roles["syn-shift"]
@@ -73,10 +75,10 @@ def _central(tiny_cfg, strategy, fraction, monkeypatch):
     head = {id(p) for p in get_head_params(model)}
     backbone0 = [p.detach().clone() for p in model.parameters() if id(p) not in head]
     head0 = [p.detach().clone() for p in get_head_params(model)]
-    spec = _fast_spec(tiny_cfg, finetune, len(data.train))
+    spec = _fast_spec(tiny_cfg, len(data.train))
     schedule = get_strategy(strategy).schedule(spec.total_steps, fraction)
     calls = []
-    real = finetune.apply_phase
+    real = fit.apply_phase
 
     def spy(m, phase):
         moved = any(
@@ -88,9 +90,15 @@ def _central(tiny_cfg, strategy, fraction, monkeypatch):
         calls.append((phase, moved))
         return real(m, phase)
 
-    monkeypatch.setattr(finetune, "apply_phase", spy)
-    algo, ledger = finetune.dp_train(
-        model, data.train, "dpsgd", spec, tiny_cfg, 0, schedule=schedule
+    monkeypatch.setattr(fit, "apply_phase", spy)
+    algo, ledger = fit.dp_fit(
+        model,
+        data.train,
+        "dpsgd",
+        spec,
+        fit.FitSettings.from_config(tiny_cfg),
+        0,
+        schedule=schedule,
     )
     return model, head, backbone0, head0, calls, spec, schedule, algo, ledger
 
@@ -128,11 +136,11 @@ def test_central_ut_switches_at_t1(tiny_cfg, monkeypatch):
 def test_central_default_is_full_finetuning(tiny_cfg):
     """No schedule: every parameter trains, as before the strategies existed."""
     from dpadapter.data import build_splits
-    from dpadapter.stages import finetune
+    from dpadapter.train import dp_fit as fit
 
     _, roles = build_splits(tiny_cfg, ["syn-shift"])
     data = roles["syn-shift"]
     model = create_model(tiny_cfg.model, 5, 1, seed=0)
-    spec = _fast_spec(tiny_cfg, finetune, len(data.train))
-    algo, _ = finetune.dp_train(model, data.train, "dpsgd", spec, tiny_cfg, 0)
+    spec = _fast_spec(tiny_cfg, len(data.train))
+    algo, _ = fit.dp_fit(model, data.train, "dpsgd", spec, fit.FitSettings.from_config(tiny_cfg), 0)
     assert len(algo.optimizer.params) == len(list(model.parameters()))

@@ -15,7 +15,7 @@ from dpadapter.config import ModelConfig
 from dpadapter.data import build_splits
 from dpadapter.device import full_fp32
 from dpadapter.models import create_model, replace_head
-from dpadapter.stages.finetune import dp_train, run_spec
+from dpadapter.stages.finetune import public_data
 from dpadapter.train.batching import (
     PAD_LABEL,
     PoissonBatches,
@@ -23,6 +23,8 @@ from dpadapter.train.batching import (
     masked_cross_entropy,
     padded_size,
 )
+from dpadapter.train.dp_fit import FitSettings, dp_fit
+from dpadapter.train.dp_spec import run_spec
 from dpadapter.train.per_sample import bind_optimizer, wrap_for_dp
 
 
@@ -135,16 +137,19 @@ def test_padding_changes_no_algorithm_update(algo, physical, mode, tiny_cfg, mon
     max_steps = 1 if algo == "gep" else None
     # Both runs take the gathered (CUDA) batch path, unpadded and padded: the CPU production
     # path keeps Opacus' DPDataLoader object, whose Poisson stream is checked separately above.
-    import dpadapter.stages.finetune as ft
+    import dpadapter.train.dp_fit as fit
 
-    monkeypatch.setattr(ft, "dp_batches", PoissonBatches)
+    monkeypatch.setattr(fit, "dp_batches", PoissonBatches)
     out = []
     for pad in (False, True):
-        run_cfg = dataclasses.replace(  # tf32 off: dp_train sets the flags from the config
+        run_cfg = dataclasses.replace(  # tf32 off: dp_fit sets the flags from the config
             cfg, tf32=False, finetune=dataclasses.replace(cfg.finetune, pad_batches=pad)
         )
         model = copy.deepcopy(start)
-        algo_run, ledger = dp_train(model, train, algo, spec, run_cfg, seed=0, max_steps=max_steps)
+        settings = FitSettings.from_config(run_cfg)
+        algo_run, ledger = dp_fit(
+            model, train, algo, spec, settings, 0, public=public_data(cfg), max_steps=max_steps
+        )
         out.append((model.state_dict(), ledger.steps, algo_run.describe()))
     (wa, sa, da), (wb, sb, db) = out
     assert sa == sb == (max_steps or spec.total_steps)

@@ -29,6 +29,7 @@ from opacus.optimizers import AdaClipDPOptimizer, DPOptimizer
 
 from dpadapter.algorithms.base import DPAlgorithm, Release, register_algorithm
 from dpadapter.param_schema import FRACTION, NON_NEGATIVE, POSITIVE, nullable, params_object
+from dpadapter.train.per_sample.clip import clip_factors
 
 
 def gradient_noise_multiplier(sigma: float, count_noise: float) -> float:
@@ -81,7 +82,7 @@ class CentredAdaClipOptimizer(AdaClipDPOptimizer):
         n = len(norms)
         if not n:
             return
-        factor = (self.max_grad_norm / (norms + 1e-6)).clamp(max=1.0)
+        factor = clip_factors(norms, self.max_grad_norm)
         unclipped = factor >= 1
         valid = getattr(self, "valid_rows", None)  # padded rows are not examples
         if valid is not None:

@@ -35,6 +35,7 @@ from dpadapter.param_schema import (
     nullable,
     params_object,
 )
+from dpadapter.train.per_sample.clip import clip_factors
 
 
 def split_groups(sizes: list[int], num_groups: int) -> list[list[int]]:
@@ -171,8 +172,8 @@ class GEPOptimizer(DPOptimizer):
                 sq_res += (r * r).sum(dim=1)
             sq_emb += (e * e).sum(dim=1)
             embeddings.append(e)
-        f_emb = (self.embedding_clip / (sq_emb.sqrt() + 1e-6)).clamp(max=1.0)
-        f_res = (self.residual_clip / (sq_res.sqrt() + 1e-6)).clamp(max=1.0)
+        f_emb = clip_factors(sq_emb.sqrt(), self.embedding_clip)
+        f_res = clip_factors(sq_res.sqrt(), self.residual_clip)
         if self.embedding_sum is None:
             self.embedding_sum = [e.new_zeros(e.shape[1]) for e in embeddings]
         for g, e in enumerate(embeddings):

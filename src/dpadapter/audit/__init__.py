@@ -1,6 +1,6 @@
 """Empirical privacy audit: a measured lower bound on epsilon for every registered algorithm.
 
 `bound` is the statistics (Steinke, Nasr & Jagielski 2023), `canaries` one audited run through
-the fine-tune stage's `dp_train`, `stage` the grid and the summary table, `cli` the entry
-points of `workflow/rules/audit.smk`. See docs/audit.md.
+the library's `dp_fit` (dpadapter.train.dp_fit), `stage` the grid and the summary table, `cli`
+the entry points of `workflow/rules/audit.smk`. See docs/audit.md.
 """

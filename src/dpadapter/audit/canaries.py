@@ -1,4 +1,4 @@
-"""One audited training run: canaries in, scores out, through the fine-tune stage's `dp_train`.
+"""One audited training run: canaries in, scores out, through the library's `dp_fit`.
 
 Threat model (white-box, input-space canaries). The auditor picks the model and the canaries;
 DP must hold for any of them, so an audit may choose what makes leakage easiest to see:
@@ -13,7 +13,7 @@ DP must hold for any of them, so an audit may choose what makes leakage easiest 
   through the algorithm's Poisson sampling, per-example clipping, noise and ledger unchanged.
 
 Each canary is included independently with probability 1/2; the bits come from a generator
-seeded apart from the training seeds and are never handed to training: `dp_train` sees one
+seeded apart from the training seeds and are never handed to training: `dp_fit` sees one
 shuffled TensorDataset. The sampling rate is fixed from the expected size (real + m/2), so it
 does not depend on the bits either.
 
@@ -36,7 +36,8 @@ from dpadapter.algorithms import ALGORITHMS
 from dpadapter.audit.bound import epsilon_lower_bound, guess_counts
 from dpadapter.config import Config
 from dpadapter.data import build_splits
-from dpadapter.stages.finetune import dp_train, run_spec
+from dpadapter.train.dp_fit import FitSettings, dp_fit
+from dpadapter.train.dp_spec import run_spec
 
 SCORES = ("whitebox", "blackbox")
 PUBLIC_ANCHOR_POOL = 2000  # public images padded for algorithms with public data (GEP)
@@ -56,7 +57,7 @@ class CanarySet:
 
 
 def draw_canaries(m: int, num_classes: int, scale: float, seed: int) -> CanarySet:
-    g = torch.Generator().manual_seed(1_000_003 * (seed + 1) + 17)  # apart from dp_train's
+    g = torch.Generator().manual_seed(1_000_003 * (seed + 1) + 17)  # apart from dp_fit's
     members = torch.rand(m, generator=g) < 0.5
     labels = torch.randint(num_classes, (m,), generator=g)
     return CanarySet(members, labels, scale)
@@ -150,8 +151,10 @@ def audit_run(cfg: Config, algo_name: str, eps: float, public: TensorDataset | N
     nn.init.zeros_(model.weight)
     nn.init.zeros_(model.bias)
     w0 = model.weight.detach().clone()
-    algo, ledger = dp_train(model, train, algo_name, spec, cfg, a.seed, public=public)
-    model.cpu()  # dp_train may have trained it on a GPU (cfg.device); scoring is on the CPU
+    algo, ledger = dp_fit(
+        model, train, algo_name, spec, FitSettings.from_config(cfg), a.seed, public=public
+    )
+    model.cpu()  # dp_fit may have trained it on a GPU (cfg.device); scoring is on the CPU
     scores = score_canaries(model, w0, canaries, d)
     members = canaries.members.tolist()
     eps_lb, tests = bounds(scores, members, a.guesses, cfg.privacy.delta, a.confidence)

@@ -33,6 +33,7 @@ from opacus.optimizers.optimizer import _check_processed_flag, _mark_as_processe
 
 from dpadapter.privacy import PrivacyLedger, Segment, calibrate_sigma, epsilon_from_history
 from dpadapter.privacy.accounting import cached
+from dpadapter.train.per_sample.clip import clip_factors
 
 GAUSSIAN, LAPLACE = "gaussian", "laplace"
 MECHANISMS = (GAUSSIAN, LAPLACE)
@@ -74,7 +75,7 @@ class LaplaceDPOptimizer(DPOptimizer):
             factor = torch.zeros((0,), device=grad_samples[0].device)
         else:
             l1 = torch.stack([g.reshape(len(g), -1).abs().sum(dim=1) for g in grad_samples], dim=1)
-            factor = (self.max_grad_norm / (l1.sum(dim=1) + 1e-6)).clamp(max=1.0)
+            factor = clip_factors(l1.sum(dim=1), self.max_grad_norm)
         for p in self.params:
             _check_processed_flag(p.grad_sample)
             gs = self._get_flat_grad_sample(p).to(p.dtype)

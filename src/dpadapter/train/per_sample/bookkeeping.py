@@ -55,6 +55,7 @@ from opacus.optimizers import DPOptimizer
 from torch import nn
 
 from dpadapter.device import full_fp32
+from dpadapter.train.per_sample.clip import clip_factors
 
 SUPPORTED_LAYERS: tuple[type[nn.Module], ...] = (nn.Linear, nn.Conv2d, nn.GroupNorm, nn.LayerNorm)
 
@@ -538,7 +539,7 @@ class BookKeepingClip:
         else:
             norms = bk.per_sample_norms(params)
             sums = None
-        factor = (self.max_grad_norm / (norms + 1e-6)).clamp(max=1.0)  # type: ignore[attr-defined]
+        factor = clip_factors(norms, self.max_grad_norm)  # type: ignore[attr-defined]
         observe = getattr(self, "observe_norms", None)
         if observe is not None:
             observe(norms)

@@ -1,0 +1,194 @@
+"""The DP training loop: one algorithm, Poisson batches, a ledger, resumable at epoch ends.
+
+Fine-tuning, HPO trials and the audit all train through `dp_fit`, so what a release is, how
+a resumed run continues and which per-sample mode clips are the same for all of them. The
+loop is written here because Opacus' `make_private` has no notion of the pipeline's strategies
+(what each step trains), of step budgets that stop mid-epoch, or of restoring every RNG.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from opacus.validators import ModuleValidator
+from torch import nn
+from torch.utils.data import Dataset, TensorDataset
+
+from dpadapter import device as devices
+from dpadapter.algorithms import ALGORITHMS, DPRunSpec
+from dpadapter.config import Config
+from dpadapter.privacy import PrivacyLedger
+from dpadapter.strategies import Schedule, apply_phase
+from dpadapter.train.batching import PAD_LABEL, dp_batches, masked_cross_entropy
+from dpadapter.train.dp_spec import padding
+from dpadapter.train.loops import evaluate, progress
+from dpadapter.train.per_sample import bind_optimizer, effective_mode, wrap_for_dp
+from dpadapter.train.progress import ProgressLine
+from dpadapter.train.resume import ResumeFile
+
+
+@dataclass(frozen=True)
+class FitSettings:
+    """The optimiser and placement settings of a DP fit (from `finetune.*`, `device`, `tf32`)."""
+
+    lr: float
+    momentum: float
+    grad_sample_mode: str
+    physical_batch_size: int | None
+    pad_batches: bool | str
+    device: str
+    tf32: bool
+
+    @classmethod
+    def from_config(cls, cfg: Config, lr: float | None = None) -> FitSettings:
+        ft = cfg.finetune
+        return cls(
+            lr=ft.lr if lr is None else lr,
+            momentum=ft.momentum,
+            grad_sample_mode=ft.grad_sample_mode,
+            physical_batch_size=ft.physical_batch_size,
+            pad_batches=ft.pad_batches,
+            device=cfg.device,
+            tf32=cfg.tf32,
+        )
+
+
+def dp_fit(
+    model: nn.Module,
+    train: TensorDataset,
+    algo_name: str,
+    spec: DPRunSpec,
+    settings: FitSettings,
+    seed: int,
+    *,
+    public: Dataset | Callable[[], Dataset] | None = None,
+    on_epoch: Callable[[int, dict], None] | None = None,
+    resume: ResumeFile | None = None,
+    max_steps: int | None = None,
+    schedule: Schedule | None = None,
+    val: TensorDataset | None = None,
+    label: str | None = None,
+):
+    """Train `model` in place with the algorithm; return (algorithm, ledger).
+
+    `public` is the public data handed to algorithms that need it (GEP's anchors), or a
+    function that loads it (read only when the algorithm needs it).
+
+    `schedule` (dpadapter.strategies) picks what each step trains, clips and noises: the head
+    only (HT) or every parameter (FT), switching after step T1 for UT. None trains every
+    parameter (full fine-tuning).
+
+    `max_steps` (optional) stops after that many releases, i.e. optimizer steps, mid-epoch if
+    need be: the HPO stages count steps, not epochs, and may run a prefix of a schedule that was
+    calibrated for more steps (a prefix spends at most the target). None runs every epoch.
+
+    `resume` (optional) holds the state an earlier attempt saved at the end of an epoch: model,
+    optimizer (momentum), algorithm state, privacy ledger and every RNG; the loop saves there
+    after every epoch but the last. Restoring all of them makes the resumed run take exactly the
+    batches, noise and releases of an uninterrupted one, and its ledger keeps the releases made
+    before the interruption.
+    """
+    if schedule is not None:
+        apply_phase(model, schedule.phase(0))
+    errors = ModuleValidator.validate(model, strict=False)
+    if errors:
+        raise ValueError(f"model is not DP-compatible: {errors}")
+    dev = devices.resolve(settings.device)
+    devices.configure(dev, settings.tf32)
+    model.to(dev)
+    train = devices.place(train, dev)
+    ledger = PrivacyLedger(spec.delta, spec.accountant)
+    # The mechanism's noise is drawn on the parameters' device (Opacus needs the generator there).
+    noise_gen = devices.generator(dev, 10_000 + seed)
+    algo = ALGORITHMS[algo_name](spec, ledger, noise_gen)
+    if algo.needs_public_data:
+        # GEP's anchor subspace comes from public gradients only (no privacy cost).
+        if public is None:
+            raise ValueError(f"{algo_name} needs public data: pass `public`")
+        algo.set_public_data(public() if callable(public) else public)
+    needs_samples = algo.needs_per_sample_gradients
+    gsm = wrap_for_dp(model, settings.grad_sample_mode, needs_samples)
+    algo.grad_sample_mode = effective_mode(settings.grad_sample_mode, needs_samples)
+    base_opt = torch.optim.SGD(gsm.parameters(), lr=settings.lr, momentum=settings.momentum)
+    optimizer = bind_optimizer(algo.make_optimizer(base_opt), gsm)
+    sample_gen = torch.Generator().manual_seed(20_000 + seed)
+    pad = padding(settings.pad_batches, settings.physical_batch_size, dev, spec)
+    loader = dp_batches(
+        train,
+        spec.sample_rate,
+        sample_gen,
+        dev,
+        max_physical=pad or settings.physical_batch_size,
+        pad=pad is not None,
+        optimizer=optimizer,
+    )
+    releases = getattr(loader, "logical_batches", len(loader))
+    assert releases == spec.steps_per_epoch, (releases, spec.steps_per_epoch)
+    first_epoch = 0
+    state = resume.state if resume is not None else None
+    if state is not None:
+        model.load_state_dict(state["model"])
+        base_opt.load_state_dict(state["optimizer"])
+        # read onto the CPU (ResumeFile): the algorithm's tensors follow the parameters
+        first = next(model.parameters())
+        algo.load_state_dict(state["algorithm"], device=first.device, dtype=first.dtype)
+        ledger.history = PrivacyLedger.from_state_dict(state["ledger"]).history
+        noise_gen.set_state(state["noise_rng"])
+        sample_gen.set_state(state["sample_rng"])
+        devices.set_rng_state(state["torch_rng"])
+        first_epoch = state["epoch"]
+        if schedule is not None:
+            apply_phase(model, schedule.phase(ledger.steps))
+    loss_fn = masked_cross_entropy if pad is not None else nn.functional.cross_entropy
+    gsm.train()
+    # One line per epoch (and every few minutes within long ones) in the job's log; `val`
+    # (optional) adds the validation accuracy, which is reported only and steers nothing.
+    total_steps = spec.total_steps if max_steps is None else min(spec.total_steps, max_steps)
+    report = ProgressLine(label or algo_name, total_steps, start_step=ledger.steps)
+    for epoch in range(first_epoch, spec.epochs):
+        if max_steps is not None and ledger.steps >= max_steps:
+            break
+        algo.start_epoch(epoch)
+        total, n = 0.0, 0
+        for x, y in progress(loader, desc=f"{algo_name} epoch {epoch + 1}/{spec.epochs}"):
+            loss = algo.train_step(gsm, x, y, loss_fn)
+            if schedule is not None:
+                apply_phase(model, schedule.phase(ledger.steps))
+            if len(y):
+                total += loss * len(y)  # padded rows add zero loss but count in len(y)
+                n += int((y != PAD_LABEL).sum()) if pad is not None else len(y)
+            if max_steps is not None and ledger.steps >= max_steps:
+                break
+            report.step(ledger.steps, loss)
+        stats = {
+            "train_loss": total / max(1, n),
+            "steps": ledger.steps,
+            "epsilon_spent": ledger.epsilon(),
+            "noise_multiplier": algo.noise_multiplier(epoch),
+        }
+        if val is not None and len(val):
+            stats["val_accuracy"] = evaluate(model, val)
+        if on_epoch is not None:
+            on_epoch(epoch + 1, stats)
+        report.epoch(epoch + 1, spec.epochs, stats)
+        if max_steps is not None and ledger.steps >= max_steps:
+            break
+        if resume is not None and epoch + 1 < spec.epochs:
+            resume.save(
+                {
+                    "epoch": epoch + 1,
+                    "model": model.state_dict(),
+                    "optimizer": base_opt.state_dict(),
+                    "algorithm": algo.state_dict(),
+                    "ledger": ledger.state_dict(),
+                    "noise_rng": noise_gen.get_state(),
+                    "sample_rng": sample_gen.get_state(),
+                    "torch_rng": devices.rng_state(dev),
+                }
+            )
+    algo.clipping_plan = dict(getattr(gsm, "last_plan", {}))
+    if hasattr(gsm, "_close"):
+        gsm._close()  # drop the per-sample hooks; evaluation uses the plain module
+    return algo, ledger

@@ -1,0 +1,48 @@
+"""Per-example gradients and clipping: every `grad_sample_mode` in one package.
+
+`finetune.grad_sample_mode` picks how per-example gradients are had: Opacus' modes (hooks,
+functorch, ew; `opacus_modes`) store them; `bk` (`bookkeeping`, written here) clips without
+storing them. An algorithm that reads per-example gradients itself (`needs_per_sample_gradients`,
+GEP) gets Opacus' hooks under `bk`; metrics.json records the mode that actually ran. Every clip
+factor comes from `clip.clip_factors`.
+"""
+
+from __future__ import annotations
+
+from opacus.optimizers import DPOptimizer
+from torch import nn
+
+from dpadapter.train.per_sample.bookkeeping import BookKeepingModule, attach_bookkeeping
+from dpadapter.train.per_sample.clip import clip_factors
+from dpadapter.train.per_sample.opacus_modes import OPACUS_MODES, bind_fp32_clip, wrap_opacus
+
+GRAD_SAMPLE_MODES = (*OPACUS_MODES, "bk")
+
+__all__ = [
+    "GRAD_SAMPLE_MODES",
+    "bind_optimizer",
+    "clip_factors",
+    "effective_mode",
+    "wrap_for_dp",
+]
+
+
+def effective_mode(mode: str, needs_per_sample_gradients: bool) -> str:
+    if mode not in GRAD_SAMPLE_MODES:
+        raise ValueError(f"unknown grad_sample_mode {mode!r}; known: {GRAD_SAMPLE_MODES}")
+    return "hooks" if mode == "bk" and needs_per_sample_gradients else mode
+
+
+def wrap_for_dp(model: nn.Module, mode: str, needs_per_sample_gradients: bool = False) -> nn.Module:
+    """The module to train (loss reduction 'mean', batch first, as everywhere here)."""
+    mode = effective_mode(mode, needs_per_sample_gradients)
+    if mode == "bk":
+        return BookKeepingModule(model, loss_reduction="mean")
+    return wrap_opacus(model, mode)
+
+
+def bind_optimizer(opt: DPOptimizer, wrapped: nn.Module) -> DPOptimizer:
+    """The DP optimizer made by the algorithm, clipping the way `wrapped` records gradients."""
+    if isinstance(wrapped, BookKeepingModule):
+        return attach_bookkeeping(opt, wrapped)  # bk's own clip runs under full_fp32
+    return bind_fp32_clip(opt)
