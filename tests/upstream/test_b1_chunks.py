@@ -15,7 +15,7 @@ from upstream.upstream_helpers import indexed_data, small_model
 
 import dpadapter.device as devices
 from dpadapter.upstream import UPSTREAMS
-from dpadapter.upstream import sam as sam_mod
+from dpadapter.upstream import perturbed as sam_mod
 
 M1 = 40
 
