@@ -1,67 +1,50 @@
-"""Noise-robust pre-training: vanilla SAM/AMP (`sam`) and DPAdapter (`dpadapter`, Algorithm 1).
+"""The training step SAM (`upstream.sam`) and DPAdapter (`upstream.dpadapter`) share.
 
-Both continue from the shared warm-up checkpoint (Step 1 of the paper is that warm-up) and differ
-only in which batch defines the worst-case weight perturbation Delta:
+Both continue from the shared warm-up checkpoint and differ only in which batch defines the
+weight perturbation Delta, so one step serves both: `PerturbedStep` with `sampler=None` takes
+Delta from the update batch (SAM), with a `B1Sampler` from an independent batch B1 (DPAdapter).
+Comments "Alg. 1 line N" name the line of the DPAdapter paper's Algorithm 1 each piece carries
+out; for SAM read B1 as the update batch itself.
 
-* `sam` (the paper's "vanilla SAM", AMP with one ascent step): Delta comes from the same
-  mini-batch that is then used for the update, as in every SAM variant the paper compares with.
-* `dpadapter`: every iteration draws a large batch B1 (m1 examples) for Delta and, independently,
-  a small batch B2 (m2 examples) for the update. Decoupling them is the paper's contribution
-  (Section 4.2): a large B1 gives an accurate perturbation, a small B2 a good SGD step.
+One step: Delta = eta1 * grad L_B1(theta); if ||Delta||_2 > gamma (norm over all parameters
+together) rescale it to norm gamma; take the gradient of L_B2 at theta + Delta; return to theta;
+apply the SGD step (momentum, weight decay, step LR) with that gradient. Returning to theta is
+done by restoring a saved copy rather than subtracting Delta, so the revert is exact in floating
+point and gamma = 0 reproduces standard training bit for bit. The one place this differs from a
+literal reading of Algorithm 1, lines 11-12, is weight decay: it acts on theta, the weights that
+are kept, not on theta + Delta (a difference of lr * weight_decay * Delta per step, 2e-5 in norm
+with the paper's values), which is also what SAM implementations do. With gamma = 0 the B1 pass
+is skipped (Delta is 0 whatever the gradient), which makes `dpadapter` with gamma = 0 the
+compute-blind control: standard SGD continued from the warm-up with the same batches, schedule
+and number of steps.
 
-One iteration (Algorithm 1, lines 2-12): Delta = eta1 * grad L_B1(theta); if ||Delta||_2 > gamma
-(norm over all parameters together) rescale it to norm gamma; take the gradient of L_B2 at
-theta + Delta; return to theta; apply the SGD step (momentum, weight decay, step LR) with that
-gradient. Returning to theta is done by restoring a saved copy rather than subtracting Delta, so
-the revert is exact in floating point and gamma = 0 reproduces standard training bit for bit.
-The one place this differs from a literal reading of lines 11-12 is weight decay: it acts on theta,
-the weights that are kept, not on theta + Delta (a difference of lr * weight_decay * Delta per
-step, 2e-5 in norm with the paper's values), which is also what SAM implementations do.
-With gamma = 0 the B1 pass is skipped (Delta is 0 whatever the gradient), which makes `dpadapter`
-with gamma = 0 the compute-blind control: standard SGD continued from the warm-up with the same
-batches, schedule and number of steps.
-
-An "epoch" is one pass of B2 mini-batches over the public training set (shuffled without
+An "epoch" is one pass of update mini-batches over the public training set (shuffled without
 replacement, the loop every upstream method shares), so `epochs`, `milestones` and `max_steps`
 mean the same thing as for the warm-up. B1 is drawn uniformly without replacement from the whole
-public training set by a generator of its own, so it never depends on the B2 stream.
+public training set by a generator of its own, so it never depends on the update-batch stream.
 
-Paper defaults (Section 5.1, CIFAR-100 -> ResNet-20), which `default_params()` returns:
+Schedule parameters both methods take (`SCHEDULE_DEFAULTS`, the paper's values, Section 5.1,
+CIFAR-100 -> ResNet-20; the paper does not give SAM's, so SAM is assumed to share them):
 
 ==============  =====================================================  ==========
 parameter       meaning                                                paper
 ==============  =====================================================  ==========
-epochs          passes of B2 over the public set (K)                   1000
+epochs          passes of the update batches over the public set (K)   1000
 lr              update learning rate eta2                              0.1
 milestones      epochs after which lr is multiplied by lr_gamma        500, 750
 lr_gamma        step-LR factor                                         0.1
 momentum        SGD momentum                                           0.9
 weight_decay    SGD weight decay                                       1e-4
-m1              perturbation batch size |B1| (dpadapter)               5000
-m2              update batch size |B2| (dpadapter)                     50
-m               shared batch size (sam)                                100
 eta1            perturbation step (inner learning rate)                1.0
-gamma           radius of the L2 ball on Delta                         2.0 (sam: 1.0)
 ==============  =====================================================  ==========
 
-The paper does not give SAM's eta1 or schedule; they are assumed equal to DPAdapter's so the two
-differ only in the batch choice. Parameters of this implementation, not of the paper:
-`chunk_size` (examples per forward/backward when computing grad L_B1, which bounds memory by the
-chunk rather than by m1; the gradient is the same; halved on out-of-memory until it fits, see
-`PerturbedStep._gradient`), `refresh_every` (dpadapter only; k: recompute
-Delta every k steps and reuse it, still capped and reverted, in between; k = 1 is Algorithm 1,
-larger k divides the perturbation cost by k, but SGD then learns to offset a fixed Delta, which
-moves the clean weights away by about Delta: see bench/dpadapter_cost.py) and `max_steps` (stop
+Parameters of this implementation, not of the paper: `chunk_size` (examples per forward/backward
+when computing grad L_B1, which bounds memory by the chunk rather than by m1; the gradient is the
+same; halved on out-of-memory until it fits, see `PerturbedStep._gradient`) and `max_steps` (stop
 after this many updates in total; the paper's schedule is far beyond a CPU budget, so the
 embedded setting runs a fraction of an epoch).
 
-On the embedded default (Fashion-MNIST, 26k public images, small CNN, 2 CPU cores) one exact
-DPAdapter epoch with m1 = 1024, m2 = 64 costs about 17 standard epochs (measured 14-17x), so the
-embedded setting uses m1 = 1024, m2 = 64, eta1 = 1, gamma = 0.5, lr = 0.01 and max_steps = 200
-(half an epoch): about a minute on an idle machine, +4 points of public robust accuracy for -1
-point of accuracy.
-
-Per-epoch statistics go to `ctx.log_epoch`: `train_loss` (B2 loss at theta + Delta),
+Per-epoch statistics go to `ctx.log_epoch`: `train_loss` (update-batch loss at theta + Delta),
 `b1_loss` (clean loss at theta on the perturbation batch), `delta_norm_raw` (||eta1 grad||
 before the cap), `delta_norm` (applied), `gamma_binding` (fraction of computed perturbations
 that the cap shortened), `refreshes` and `b1_chunk_size` (the chunk the B1 pass used).
@@ -72,7 +55,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import gc
-import math
 import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -91,10 +73,9 @@ from dpadapter.param_schema import (
     POSITIVE,
     POSITIVE_INT,
     nullable,
-    params_object,
 )
 from dpadapter.train.loops import sgd_train
-from dpadapter.upstream.base import UpstreamContext, UpstreamMethod, register_upstream
+from dpadapter.upstream.base import UpstreamContext, UpstreamMethod
 
 # The seed of the B1 sampler is derived from the run seed and this label, so B1 never shares a
 # random stream with the B2 loader (which is seeded with the run seed itself).
@@ -304,18 +285,21 @@ class PerturbedStep:
         s = self.stats
         s.refreshes += 1
         if self.gamma == 0:
-            # The ball has radius 0, so Delta = 0 whatever the gradient: skip the B1 pass. This
-            # makes gamma = 0 a cheap control (standard SGD on B2 batches for the same steps).
+            # Alg. 1 line 4 (Delta = 0) is all there is: the ball has radius 0, so Delta = 0
+            # whatever the gradient; skip the B1 pass. This makes gamma = 0 a cheap control
+            # (standard SGD on B2 batches for the same steps).
             self.last_b1 = None
             self.last_delta = [torch.zeros_like(p) for p in trainable(model)]
             return
-        if self.sampler is None:
+        if self.sampler is None:  # SAM: the update batch is the perturbation batch
             self.last_b1 = None
             grads, loss = self._gradient(model, x, y, None)
         else:
-            self.last_b1 = self.sampler.draw()
+            self.last_b1 = self.sampler.draw()  # Alg. 1 line 2: draw B1
             grads, loss = self._gradient(model, self.x_all, self.y_all, self.last_b1)
         self._raw = grads
+        # Alg. 1 line 5: the argmax over the ball by one ascent step, eta1 * grad L_B1(theta);
+        # lines 6-8: shrink it onto the gamma ball.
         delta, raw, binding = cap_to_ball([self.eta1 * g for g in grads], self.gamma)
         self.last_delta = delta
         s.binding += int(binding)
@@ -330,6 +314,8 @@ class PerturbedStep:
     def __call__(
         self, model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor
     ) -> float:
+        """One iteration of Algorithm 1 on the update batch (x, y) = B2 (line 3, drawn by
+        `sgd_train`'s loader, which also runs lines 1 and 13)."""
         if self.last_delta is None or self.steps % self.refresh_every == 0:
             self._perturbation(model, x, y)
         assert self.last_delta is not None
@@ -339,16 +325,16 @@ class PerturbedStep:
         with torch.no_grad():
             saved = [p.detach().clone() for p in params]
             for p, d in zip(params, self.last_delta, strict=True):
-                p.add_(d)
+                p.add_(d)  # Alg. 1 line 9: theta + Delta
         opt.zero_grad(set_to_none=True)
         try:
             loss = nn.functional.cross_entropy(model(x), y)
-            loss.backward()
+            loss.backward()  # Alg. 1 line 10: grad L_B2 at theta + Delta
         finally:
             with torch.no_grad():
                 for p, s in zip(params, saved, strict=True):
-                    p.copy_(s)
-        opt.step()
+                    p.copy_(s)  # Alg. 1 line 12: revert (exactly), before the step
+        opt.step()  # Alg. 1 line 11: the update, applied to theta (see the module doc)
         return float(loss.detach())
 
     def pop_epoch_stats(self) -> dict[str, float]:
@@ -391,77 +377,7 @@ class PerturbedStep:
         self.stats = _EpochStats(**state["stats"])
 
 
-class EMAPerturbedStep(PerturbedStep):
-    """DPAdapter's cheaper option (`ema_beta`): Delta from a running average of clean gradients.
-
-    Algorithm 1's cost is the B1 pass: m1 / m2 update batches' worth of work per step (16x in
-    the embedded setting, 100x in the paper's). This variant replaces grad L_B1(theta_t) by
-    an exponential moving average of the clean gradients grad L_B2(theta_s) of the steps s < t,
-    each taken at the unperturbed weights on that step's update batch, so a step costs two
-    passes over B2 (about 2x a standard step) instead of (m1 + m2) / m2.
-
-    Why it should approximate Algorithm 1: with beta = (m1 - m2) / (m1 + m2), an average of
-    independent B2 gradients has the variance of one B1 gradient (its effective batch is
-    m2 (1 + beta) / (1 - beta) = m1). It is built only from earlier batches, so Delta stays
-    independent of the update batch, as B1 is (the paper's decoupling). It starts from one exact
-    B1 gradient, so the first steps are Algorithm 1's. What it gives up: the average lags theta
-    by about 1 / (1 - beta) steps, so it is the gradient at slightly stale weights. Unlike a
-    Delta reused for k steps (`refresh_every`, which failed: SGD learns to offset a fixed
-    Delta), it changes every step and follows theta. Whether that is close enough is measured,
-    not assumed (bench/dpadapter_cost.py, docs/speed.md).
-    """
-
-    def __init__(self, *args: Any, beta: float, **kwargs: Any):
-        super().__init__(*args, **kwargs)
-        if not 0 <= beta < 1:
-            raise ValueError("ema_beta must be in [0, 1)")
-        if self.refresh_every != 1:
-            raise ValueError(
-                "ema_beta needs refresh_every = 1 (the average is refreshed each step)"
-            )
-        self.beta = float(beta)
-        self.average: list[torch.Tensor] | None = None
-
-    def _perturbation(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
-        if self.average is None or self.gamma == 0:
-            super()._perturbation(model, x, y)  # the exact B1 gradient starts the average
-            if self.gamma != 0:
-                self.average = [g.clone() for g in self._raw]
-            return
-        s = self.stats
-        s.refreshes += 1
-        delta, raw, binding = cap_to_ball([self.eta1 * g for g in self.average], self.gamma)
-        self.last_delta = delta
-        s.binding += int(binding)
-        s.raw_norm += raw
-        s.norm += min(raw, self.gamma)
-
-    def before_update(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
-        if self.average is None:
-            return
-        params = trainable(model)
-        loss = nn.functional.cross_entropy(model(x), y)
-        with torch.no_grad():
-            for a, g in zip(self.average, torch.autograd.grad(loss, params), strict=True):
-                a.mul_(self.beta).add_(g, alpha=1 - self.beta)
-
-    def state_dict(self) -> dict[str, Any]:
-        out = super().state_dict()
-        out["average"] = None if self.average is None else [a.cpu() for a in self.average]
-        return out
-
-    def load_state_dict(
-        self,
-        state: dict[str, Any],
-        device: torch.device | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> None:
-        super().load_state_dict(state, device, dtype)
-        avg = state.get("average")
-        self.average = None if avg is None else [onto(a, device, dtype) for a in avg]
-
-
-_SCHEDULE_DEFAULTS: dict[str, Any] = {
+SCHEDULE_DEFAULTS: dict[str, Any] = {
     "epochs": 1000,
     "lr": 0.1,
     "milestones": [500, 750],
@@ -474,7 +390,7 @@ _SCHEDULE_DEFAULTS: dict[str, Any] = {
     "schedule_unit": "epochs",
 }
 # Types and ranges of the schedule params, shared by SAM and DPAdapter (each declares its own).
-_SCHEDULE_SCHEMA: dict[str, dict[str, Any]] = {
+SCHEDULE_SCHEMA: dict[str, dict[str, Any]] = {
     "epochs": NON_NEGATIVE_INT,
     "lr": NON_NEGATIVE,  # 0 is allowed: tests check that a step at lr 0 reverts exactly
     "milestones": {"type": "array", "items": POSITIVE_INT},
@@ -488,7 +404,7 @@ _SCHEDULE_SCHEMA: dict[str, dict[str, Any]] = {
 }
 
 
-class _PerturbedUpstream(UpstreamMethod):
+class PerturbedUpstream(UpstreamMethod):
     """Shared build: copy the warm-up model, train it with a `PerturbedStep`, log each epoch."""
 
     needs_warmup = True
@@ -543,89 +459,3 @@ class _PerturbedUpstream(UpstreamMethod):
         model = copy.deepcopy(ctx.warmup_model)
         model.train()
         return self.train(model, ctx)[0]
-
-
-@register_upstream("sam")
-class SAM(_PerturbedUpstream):
-    """Vanilla SAM / AMP baseline: Delta and the update come from the same batch of size m."""
-
-    params_schema = params_object(**_SCHEDULE_SCHEMA, m=POSITIVE_INT, gamma=NON_NEGATIVE)
-
-    @classmethod
-    def default_params(cls) -> dict[str, Any]:
-        # No refresh_every: reusing Delta would take it from an earlier batch, which is no longer
-        # the same-batch baseline this method stands for.
-        return {**_SCHEDULE_DEFAULTS, "m": 100, "gamma": 1.0}
-
-    def update_batch_size(self) -> int:
-        return int(self.params["m"])
-
-    def make_step(self, data: TensorDataset, seed: int) -> PerturbedStep:
-        p = self.params
-        return PerturbedStep(data, p["eta1"], p["gamma"], p["chunk_size"])
-
-
-@register_upstream("dpadapter")
-class DPAdapter(_PerturbedUpstream):
-    """Algorithm 1: Delta from an independent large batch B1, the update from a small B2."""
-
-    params_schema = params_object(
-        **_SCHEDULE_SCHEMA,
-        m1=POSITIVE_INT,
-        m2=POSITIVE_INT,
-        gamma=NON_NEGATIVE,
-        refresh_every=POSITIVE_INT,
-        ema_beta={
-            "oneOf": [
-                {"type": "null"},
-                {"const": "auto"},
-                {"type": "number", "minimum": 0, "exclusiveMaximum": 1},
-            ]
-        },
-    )
-
-    @classmethod
-    def default_params(cls) -> dict[str, Any]:
-        # ema_beta None: exact Algorithm 1 (the paper configs' setting); a number, or "auto" for
-        # (m1 - m2) / (m1 + m2): the EMAPerturbedStep option (`dpadapter-ema`).
-        return {
-            **_SCHEDULE_DEFAULTS,
-            "m1": 5000,
-            "m2": 50,
-            "gamma": 2.0,
-            "refresh_every": 1,
-            "ema_beta": None,
-        }
-
-    def update_batch_size(self) -> int:
-        return int(self.params["m2"])
-
-    def make_step(self, data: TensorDataset, seed: int) -> PerturbedStep:
-        p = self.params
-        sampler = B1Sampler(len(data), int(p["m1"]), seed)
-        args = (data, p["eta1"], p["gamma"], p["chunk_size"], p["refresh_every"])
-        beta = p["ema_beta"]
-        if beta == "auto":
-            beta = (int(p["m1"]) - int(p["m2"])) / (int(p["m1"]) + int(p["m2"]))
-        if beta is not None:
-            return EMAPerturbedStep(*args, sampler=sampler, beta=float(beta))
-        return PerturbedStep(*args, sampler=sampler)
-
-
-@register_upstream("dpadapter-ema")
-class DPAdapterEMA(DPAdapter):
-    """DPAdapter with the cheaper perturbation (EMAPerturbedStep): `ema_beta` "auto" by default,
-    so the running average has the variance of one B1 gradient. About 2x a standard step."""
-
-    @classmethod
-    def default_params(cls) -> dict[str, Any]:
-        return {**super().default_params(), "ema_beta": "auto"}
-
-
-def relative_step_cost(m1: int, m2: int, refresh_every: int = 1) -> float:
-    """Examples processed per DPAdapter step over those of a standard step with batch m2.
-
-    The forward/backward over B1 costs m1 example-passes every `refresh_every` steps; the update
-    costs m2. Ignores the parameter copy and restore, which are negligible for conv nets.
-    """
-    return (m1 / refresh_every + m2) / m2 if m2 > 0 else math.inf
