@@ -439,6 +439,8 @@ class PerturbedUpstream(UpstreamMethod):
         def on_epoch(epoch: int, stats: dict) -> None:
             ctx.log_epoch(epoch, {**stats, **step.pop_epoch_stats()})
 
+        # Alg. 1 lines 1 and 13 (the loop over the schedule's iterations) and line 3 (B2: the
+        # loader's batches of update_batch_size()); `step` runs lines 4-12 on each batch.
         sgd_train(
             model,
             data,
