@@ -44,7 +44,7 @@ from dpadapter.models import create_model
 from dpadapter.train.checkpoint import load_model
 from dpadapter.train.loops import evaluate, robust_accuracy, sgd_train
 from dpadapter.upstream import UPSTREAMS, UpstreamContext
-from dpadapter.upstream.sam import relative_step_cost
+from dpadapter.upstream.dpadapter import relative_step_cost
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -15,7 +15,7 @@ from upstream.upstream_helpers import indexed_data, small_model
 
 import dpadapter.device as devices
 from dpadapter.upstream import UPSTREAMS
-from dpadapter.upstream import sam as sam_mod
+from dpadapter.upstream import perturbed as perturbed_mod
 
 M1 = 40
 
@@ -32,7 +32,7 @@ def _b1_gradient(step, model):
 
 def _reference(model, step, index):
     """The B1 gradient in one chunk, nothing forced."""
-    return sam_mod.batch_gradient(model, step.x_all, step.y_all, len(index), index=index)
+    return perturbed_mod.batch_gradient(model, step.x_all, step.y_all, len(index), index=index)
 
 
 def _close(a, b):
@@ -109,7 +109,7 @@ def test_out_of_memory_halves_the_chunk_until_it_fits(kind, monkeypatch):
         # by now nothing may hold the failed chunk (the exception's frames included)
         at_release.append([r() is not None for r in alive])
 
-    monkeypatch.setattr(sam_mod, "release_cached_memory", release)
+    monkeypatch.setattr(perturbed_mod, "release_cached_memory", release)
     _fail_above(model, 10, OOM_ERRORS[kind], seen, alive)
     grads, loss = step._gradient(model, step.x_all, step.y_all, index)
     assert step.chunk_size == 8  # 32 -> 16 -> 8, the first size that fits
@@ -135,7 +135,7 @@ def test_other_errors_are_not_taken_for_out_of_memory():
 
 
 def test_a_clear_error_when_one_example_does_not_fit(monkeypatch):
-    monkeypatch.setattr(sam_mod, "release_cached_memory", lambda device: None)
+    monkeypatch.setattr(perturbed_mod, "release_cached_memory", lambda device: None)
     model = small_model(seed=1)
     step = _step(chunk_size=4)
     seen: list[int] = []

@@ -20,12 +20,12 @@ from upstream_helpers import (
 from dpadapter.config import SGDConfig
 from dpadapter.train.loops import make_sgd, sgd_train, standard_step
 from dpadapter.upstream import UPSTREAMS
-from dpadapter.upstream.sam import (
+from dpadapter.upstream.dpadapter import EMAPerturbedStep, relative_step_cost
+from dpadapter.upstream.perturbed import (
     B1Sampler,
     PerturbedStep,
     batch_gradient,
     global_norm,
-    relative_step_cost,
 )
 
 
@@ -333,7 +333,7 @@ def test_relative_step_cost():
 
 def test_b1_chunk_halves_on_out_of_memory_and_gives_the_same_gradient(monkeypatch):
     """On a GPU the B1 gradient's chunk adapts to memory; the gradient does not change."""
-    import dpadapter.upstream.sam as sam_mod
+    import dpadapter.upstream.perturbed as perturbed_mod
 
     data = indexed_data(64)
     warm = small_model()
@@ -342,14 +342,14 @@ def test_b1_chunk_halves_on_out_of_memory_and_gives_the_same_gradient(monkeypatc
     )
     ref = method.make_step(data, 0)
     ref_grads, _ = ref._gradient(warm, *data.tensors, None)
-    real = sam_mod.batch_gradient
+    real = perturbed_mod.batch_gradient
 
     def tight_memory(model, x, y, chunk_size, index=None):
         if chunk_size > 16:
             raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
         return real(model, x, y, chunk_size, index=index)
 
-    monkeypatch.setattr(sam_mod, "batch_gradient", tight_memory)
+    monkeypatch.setattr(perturbed_mod, "batch_gradient", tight_memory)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     step = method.make_step(data, 0)
     grads, _ = step._gradient(warm, *data.tensors, None)
@@ -359,8 +359,6 @@ def test_b1_chunk_halves_on_out_of_memory_and_gives_the_same_gradient(monkeypatc
 
 
 def _ema_step(data, beta=0.6, **kw):
-    from dpadapter.upstream.sam import EMAPerturbedStep
-
     args = {"eta1": 1.0, "gamma": 1e6, "chunk_size": 64, **kw}
     return EMAPerturbedStep(data, sampler=B1Sampler(len(data), 64, seed=0), beta=beta, **args)
 
@@ -429,8 +427,6 @@ def test_ema_option_resumes_exactly_and_is_configurable():
             step(model, opt, x[16 * k : 16 * k + 16], y[16 * k : 16 * k + 16])
         runs.append(params_of(model))
     assert _equal(*runs)
-    from dpadapter.upstream.sam import EMAPerturbedStep
-
     assert isinstance(_dpadapter(ema_beta=0.88).make_step(data, 0), EMAPerturbedStep)
     assert type(_dpadapter().make_step(data, 0)) is PerturbedStep
     with pytest.raises(ValueError, match="refresh_every"):

@@ -5,4 +5,5 @@ mechanisms  client-side Gaussian (Opacus) and Laplace (Theorem 1) mechanisms, pe
 estimate    private estimates of the theorems' constants and the T1 rule (Theorems 2-3)
 simulation  FedSGD/FedAvg rounds over the clients
 stage       one grid job -> metrics.json; summary: CSV, rule hit rate, figures
+plots       the figures (analogues of the paper's Figs. 1-3)
 """

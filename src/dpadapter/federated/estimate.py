@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -52,6 +53,9 @@ from dpadapter.federated.mechanisms import GAUSSIAN, LAPLACE, SENSITIVITY_FACTOR
 from dpadapter.models import get_head_params
 from dpadapter.privacy import Segment
 from dpadapter.strategies import FT, HT, apply_phase
+
+if TYPE_CHECKING:
+    from dpadapter.federated.simulation import MechanismRun
 
 STAT_NAMES = ("a_head", "s_head", "a_full", "s_full")
 
@@ -361,6 +365,37 @@ def trajectory_constants(points: list[RuleConstants]) -> RuleConstants:
     return RuleConstants(**{f: sum(getattr(c, f) for c in points) / len(points) for f in fields})
 
 
+def rule_decision(
+    points: list[RuleConstants],
+    rounds: int,
+    sizes: list[int],
+    mech: MechanismRun,
+    dims: dict[str, int],
+) -> tuple[RuleDecision, RuleConstants]:
+    """Theorems 2-3 on the constants averaged along the trajectory; the step-size assumption
+    checked with the largest L estimated.
+
+    The theorems' dimensions come from the model's releases (`strategies.released_dims`): n is
+    what HT releases (the head), p the coordinates FT releases on top of it, so FT's extra noise
+    term is p times the per-coordinate variance. N is the number of clients, whose sizes weight
+    the noise variance."""
+    consts = trajectory_constants(points)
+    v = aggregated_noise_var(
+        mech.name, sizes, mech.max_grad_norm, mech.noise_multiplier, mech.sample_rate
+    )
+    decision = decide(
+        consts,
+        rounds,
+        len(sizes),
+        mech.lr,
+        dims["ft"] - dims["ht"],
+        dims["ht"],
+        v,
+        L_check=max(c.L for c in points),
+    )
+    return decision, consts
+
+
 def theorem2_constants(c: RuleConstants, T, N, beta, p, xi1, d, epsilons):
     """(C1, C2) exactly as printed in Theorem 2 (Laplace)."""
     s = sum(1 / e**2 for e in epsilons)
@@ -400,6 +435,7 @@ __all__ = [
     "decide",
     "privatize",
     "random_directions",
+    "rule_decision",
     "rule_terms",
     "sensitivities",
     "theorem2_constants",

@@ -21,13 +21,11 @@ from dpadapter.data import build_splits
 from dpadapter.federated.estimate import (
     RuleConstants,
     aggregate_constants,
-    aggregated_noise_var,
     client_constants,
     client_statistics,
-    decide,
     privatize,
     random_directions,
-    trajectory_constants,
+    rule_decision,
 )
 from dpadapter.federated.mechanisms import (
     ADJACENCY,
@@ -148,28 +146,6 @@ def estimate_constants(gsm, clients: list[Client], mech: MechanismRun, est_noise
     return aggregate_constants(per_client, [c.size for c in clients])
 
 
-def rule_decision(gsm, clients, mech: MechanismRun, points: list[RuleConstants], rounds: int):
-    """Theorems 2-3 on the constants averaged along the trajectory; the step-size assumption
-    checked with the largest L estimated."""
-    sizes = [c.size for c in clients]
-    consts = trajectory_constants(points)
-    dims = released_dims(gsm)
-    v = aggregated_noise_var(
-        mech.name, sizes, mech.max_grad_norm, mech.noise_multiplier, mech.sample_rate
-    )
-    decision = decide(
-        consts,
-        rounds,
-        len(clients),
-        mech.lr,
-        dims["ft"] - dims["ht"],
-        dims["ht"],
-        v,
-        L_check=max(c.L for c in points),
-    )
-    return decision, consts
-
-
 def run(
     cfg: Config,
     upstream: str,
@@ -264,7 +240,10 @@ def run(
                 estimates.append(c_k)
                 trajectory.append({"round": t, "constants": c_k.__dict__})
                 if t == points[-1]:
-                    decision, consts = rule_decision(gsm, clients, mech, estimates, rounds)
+                    sizes = [c.size for c in clients]
+                    decision, consts = rule_decision(
+                        estimates, rounds, sizes, mech, released_dims(gsm)
+                    )
                     if not decision.step_size_condition:
                         print(
                             f"warning: T1 rule outside Theorems 2-3: lr {mech.lr:g} >= "

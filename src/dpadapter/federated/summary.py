@@ -268,7 +268,7 @@ def run(
     fig_rounds: Path,
     md_path: Path,
 ) -> dict:
-    from dpadapter import plots_federated
+    from dpadapter.federated import plots
     from dpadapter.stages.job import write_json
 
     rows, preds = collect(metrics)
@@ -278,8 +278,8 @@ def run(
     md_path.write_text(markdown(rows, report))
     fed = cfg.federated
     title = f"{cfg.model.name}, {fed.clients} clients, Dirichlet alpha={fed.dirichlet_alpha:g}"
-    plots_federated.accuracy_vs_epsilon(rows, fig_eps, rounds=fed.rounds, title=title)
-    plots_federated.accuracy_vs_rounds(rows, fig_rounds, epsilons=fed.sweep_epsilons, title=title)
+    plots.accuracy_vs_epsilon(rows, fig_eps, rounds=fed.rounds, title=title)
+    plots.accuracy_vs_rounds(rows, fig_rounds, epsilons=fed.sweep_epsilons, title=title)
     if report["n_cells"]:
         ci = report["hit_rate_interval"]
         print(

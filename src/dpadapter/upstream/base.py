@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, ClassVar
 
 from torch import nn
@@ -66,7 +65,3 @@ class UpstreamMethod:
 
     def build(self, ctx: UpstreamContext) -> nn.Module:
         raise NotImplementedError
-
-
-def warmup_path(results_dir: str | Path) -> Path:
-    return Path(results_dir) / "warmup" / "model.pt"
