@@ -1,4 +1,4 @@
-"""`python -m dpadapter --config C hpo <step> ...`: the entry points of workflow/rules/hpo.smk.
+"""`python -m dpadapter --config C hpo <step> ...`: the entry points of workflow/rules/hpo*.smk.
 
 Kept apart from `dpadapter.cli` so that the shared parser only gains one line per hook; nothing
 heavy is imported until a step runs.
