@@ -165,9 +165,9 @@ class HPOConfig:
     # trial); "linear-probe" is the paper's regime (`dpadapter.hpo.probe`): a zero-initialised
     # linear head on frozen features, full-batch DP-GD with `momentum`, at every
     # `target_epsilons` budget, the oracle over `oracle_seeds` training seeds per grid point.
-    regime: str = "network"
+    regime: str = "linear-probe"
     strategy: str | None = None  # network regime: ft/ht/ut; None = finetune.strategy
-    target_epsilons: tuple[float, ...] = ()
+    target_epsilons: tuple[float, ...] = (1.0,)  # the paper's total budget; sweeps must be below
     oracle_seeds: int = 3
     momentum: float = 0.9
     max_grad_norm: float = 1.0

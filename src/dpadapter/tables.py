@@ -11,7 +11,7 @@ cost accuracy:
 - `≈` the drop is within that combined std: the cells are indistinguishable at this many seeds;
 - `?` one of the two cells has one seed, so the noise is unknown and the drop cannot be judged.
 
-Used by the fine-tuning (`stages.aggregate`), HPO (`hpo.summary`, `hpo.probe_summary`),
+Used by the fine-tuning (`stages.aggregate`), HPO (`hpo.network.summary`, `hpo.probe.summary`),
 federated (`federated.summary`) and audit (`audit.stage`) tables; `how_to_read` is the note
 printed under each of them.
 """

@@ -1,4 +1,5 @@
-"""The HPO rules in the Snakemake DAG: its own target, the expected jobs, not part of `all`."""
+"""The HPO rules in the Snakemake DAG: its own target, the expected jobs of each regime (the
+paper's linear probe unless the config says otherwise), not part of `all`."""
 
 import copy
 import os
@@ -40,6 +41,7 @@ def _counts(out: str) -> dict[str, int]:
 def test_hpo_target_schedules_trials_sweeps_baselines_and_summary(tmp_path):
     raw = copy.deepcopy(TINY_RAW)
     raw["hpo"] = {
+        "regime": "network",
         "upstreams": ["scratch"],
         "tasks": ["syn-shift"],
         "seeds": [0, 1],
@@ -69,3 +71,38 @@ def test_hpo_is_not_part_of_the_default_target():
         block.append(line)
     rule_all = "\n".join(block)
     assert "hpo" not in rule_all and "default_target: True" in rule_all
+
+
+def test_linear_probe_regime_schedules_its_own_rules(tmp_path):
+    raw = copy.deepcopy(TINY_RAW)
+    raw["hpo"] = {
+        "regime": "linear-probe",
+        "upstreams": ["scratch"],
+        "tasks": ["syn-shift"],
+        "seeds": [0, 1, 2],
+        "target_epsilons": [1.0, 2.0],
+        "sweep_epsilons": [0.1, 0.2],
+    }
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(raw))
+    c = _counts(_dry_run(tmp_path, "hpo"))
+    assert c["hpo_features"] == 1 and c["hpo_probe_oracle"] == 1 and c["hpo_probe_seed"] == 3
+    assert c["hpo_probe_summary"] == 1 and "hpo_trial" not in c and "hpo_summary" not in c
+
+
+def test_a_config_without_hpo_regime_runs_the_papers_linear_probe(tmp_path):
+    """No `regime` key (configs/paper.yaml has no hpo section at all): the linear-probe rules are
+    scheduled, at the default total budget, and the schema documents the same default."""
+    from dpadapter.config import HPOConfig, base_schema, from_dict
+
+    raw = copy.deepcopy(TINY_RAW)
+    raw["hpo"] = {"upstreams": ["scratch"], "tasks": ["syn-shift"], "seeds": [0, 1]}
+    cfg = from_dict(raw)
+    assert cfg.hpo.regime == "linear-probe" and cfg.hpo.budgets == (1.0,)
+    assert from_dict(copy.deepcopy(TINY_RAW)).hpo == HPOConfig()
+    hpo = base_schema()["properties"]["hpo"]["properties"]
+    assert hpo["regime"]["default"] == HPOConfig().regime
+    assert tuple(hpo["target_epsilons"]["default"]) == HPOConfig().target_epsilons
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(raw))
+    c = _counts(_dry_run(tmp_path, "hpo"))
+    assert c["hpo_features"] == 1 and c["hpo_probe_oracle"] == 1 and c["hpo_probe_seed"] == 2
+    assert c["hpo_probe_summary"] == 1 and "hpo_trial" not in c and "hpo_plan" not in c

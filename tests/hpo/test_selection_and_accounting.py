@@ -6,13 +6,11 @@ import dp_accounting
 import numpy as np
 import pytest
 
-from dpadapter.hpo.accounting import (
+from dpadapter.hpo.accounting import Composition, is_prefix, merge_segments
+from dpadapter.hpo.network.calibration import (
     BudgetError,
-    Composition,
     calibrate_final_epsilon,
     final_epsilon_guess,
-    is_prefix,
-    merge_segments,
 )
 from dpadapter.hpo.selection import SelectionMechanism
 from dpadapter.privacy import Segment

@@ -109,32 +109,3 @@ def test_space_validates_its_bounds():
         SearchSpace(0.1, 1.0, 5, 2, 4)
     with pytest.raises(ValueError):
         SearchSpace(0.1, 1.0, 1, 2, 1)
-
-
-def test_fit_stage_floors_a_negative_slope_when_monotone(tmp_path):
-    import copy
-    import json
-    from dataclasses import replace
-
-    from tiny_config import TINY_RAW
-
-    from dpadapter.config import from_dict
-    from dpadapter.hpo import stages
-
-    cfg = from_dict(copy.deepcopy(TINY_RAW))
-    plan = {"version": stages.PLAN_VERSION, "delta": cfg.privacy.delta, "fit": "linear",
-            "target_epsilon": cfg.hpo.target_epsilon, "sweeps": [{}, {}],
-            "final": {"epsilon": 0.8}}  # fmt: skip
-    (tmp_path / "plan.json").write_text(json.dumps(plan))
-    paths = []
-    for k, (eps, r) in enumerate([(0.1, 11.0), (0.2, 5.0)]):  # noisy sweeps: negative slope
-        paths.append(tmp_path / f"sweep{k}.json")
-        paths[-1].write_text(json.dumps({"sweep": k, "epsilon": eps, "r": r}))
-    space = stages.space_of(cfg)
-    raw = stages.fit(cfg, tmp_path / "plan.json", paths, tmp_path / "fit.json")
-    assert raw["r_predicted"] == pytest.approx(11.0 - 60.0 * 0.7)
-    assert raw["r_star"] == space.r_min and raw["clamped"] and not raw["floored"]
-    mono = replace(cfg, hpo=replace(cfg.hpo, monotone=True))
-    floored = stages.fit(mono, tmp_path / "plan.json", paths, tmp_path / "fit.json")
-    assert floored["r_star"] == 11.0 and floored["floored"]
-    assert floored["final"]["lr"] * floored["final"]["steps"] == pytest.approx(11.0)

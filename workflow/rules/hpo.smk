@@ -10,8 +10,8 @@
 #   grid_run      every r of the grid at the whole budget; grid_oracle picks the best (one
 #                 grid per upstream/task/algorithm, trained with the first HPO seed's plan)
 #   hpo_summary   results/summary/hpo.{csv,md} (Table 3 analogue, RERR)
-# That is `hpo.regime: network`. `linear-probe` (the paper's regime, config.yaml's default) runs
-# the rules of hpo_probe.smk instead; both write results/summary/hpo.{csv,md}.
+# That is `hpo.regime: network` (src/dpadapter/hpo/network). `linear-probe` (the paper's regime,
+# the default) runs the rules of hpo_probe.smk instead; both write results/summary/hpo.{csv,md}.
 include: "hpo_helpers.smk"
 include: "hpo_probe.smk"
 

@@ -1,5 +1,6 @@
-# The linear scaling rule in the paper's regime (hpo.regime: linear-probe; src/dpadapter/hpo/
-# probe.py): a zero-initialised linear head on frozen features, full-batch DP-GD with momentum.
+# The linear scaling rule in the paper's regime (hpo.regime: linear-probe, the default;
+# src/dpadapter/hpo/probe): a zero-initialised linear head on frozen features, full-batch DP-GD
+# with momentum.
 # Per (upstream, task) of the `hpo` section:
 #
 #   hpo_features       the checkpoint's frozen features of train / val / test, computed once

@@ -1,14 +1,14 @@
 """Private hyperparameter search with the linear scaling rule (Panda et al., 2024).
 
-`space` (r = lr * T, its grid, decompositions, the r(eps) fit), `selection` (private release
-of each sweep's winner), `accounting` (PLD composition of everything released), `runner`
-(training one configuration with any registered DP algorithm), `stages` (the Snakemake
-stages), `summary` (hpo.csv / hpo.md).
+Two regimes (`hpo.regime`) share this core: `probe` (the paper's: a linear head on frozen
+features) and `network` (the whole network fine-tuned with a registered DP algorithm). The core
+is what both must agree on: `space` (r = lr * T, its grid, decompositions, the r(eps) fit),
+`selection` (private release of each sweep's winner), `accounting` (PLD composition of
+everything released), `seeds` (the seed streams of a replicate), `cli` (the stages' entry
+points) and `jobs` below (what the workflow schedules).
 """
 
-from dpadapter.hpo.space import ScalingFit, SearchSpace, StepConfig, fit_scaling
-
-__all__ = ["ScalingFit", "SearchSpace", "StepConfig", "fit_scaling", "jobs"]
+__all__ = ["jobs"]
 
 
 def jobs(cfg) -> list[tuple[str, str, str, int]]:

@@ -8,17 +8,19 @@ full-batch training; with Poisson sampling it is not, so it is not used.
 
 Adaptivity: the final run's r depends on the trials' results, so its privacy parameters must
 not. Every trial's (sigma, q, T) is fixed by the config and the seed before any data is read,
-and the final run's noise is calibrated for `steps_max` steps whatever r turns out to be; a
-final run that takes fewer steps runs a prefix of that schedule, which is a post-processing of
-the full one. So the composition below (trials as recorded, final as planned for steps_max)
-bounds the whole adaptive procedure.
+and the final run's noise is fixed whatever r turns out to be: the network regime calibrates it
+for `steps_max` steps (`network.calibration`), and a final run that takes fewer steps runs a
+prefix of that schedule, which is a post-processing of the full one; the linear-probe regime's
+full-batch runs have the same privacy loss for every T at a given single-release sigma
+(`probe.privacy`). So the composition below (trials as recorded, final as planned) bounds the
+whole adaptive procedure.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,11 +30,7 @@ from dpadapter.privacy import Segment
 # at any interval; 3e-4 matches 1e-4 (privacy.pld_epsilon's) to ~1e-4 relative on this
 # project's histories at a quarter of the cost, which matters with dozens of runs per HPO.
 DISCRETIZATION = 3e-4
-COARSE = 1e-3  # for the starting guess of the final budget only; never for a reported epsilon
-
-
-class BudgetError(ValueError):
-    """The trials and selections alone leave no budget for the final run."""
+TOL = 1e-9  # float slack when comparing a recomputed epsilon with its target
 
 
 def _pld_module():
@@ -152,108 +150,14 @@ def is_prefix(recorded: Sequence[Segment], planned: Sequence[Segment]) -> bool:
     return len(expand_r) <= len(expand_p) and expand_r == expand_p[: len(expand_r)]
 
 
-def final_epsilon_guess(
-    spent: Composition,
-    delta: float,
-    target: float,
-    sample_rate: float,
-    steps: int,
-    accountant: str,
-) -> float:
-    """Per-run epsilon of the constant-sigma final run that would meet the target exactly.
-
-    The search over sigma uses PLDs only (fractions of a second each); the result is converted
-    to the per-run epsilon that the run's own accountant (PRV or RDP) assigns to that sigma,
-    which is what an algorithm is calibrated from. For a constant-sigma algorithm this is (up
-    to the calibration tolerance) the answer, so `calibrate_final_epsilon` usually needs one
-    calibration instead of a dozen; for others it is only a starting point.
-    """
-    from dpadapter.privacy import epsilon_from_history
-
-    base = spent.pld(COARSE)
-
-    def total(sigma: float) -> float:
-        final = history_pld([Segment(sigma, sample_rate, steps)], COARSE)
-        return epsilon_of(compose([base, final]), delta)
-
-    hi = 1.0
-    while total(hi) > target:
-        hi *= 2
-        if hi > 1e6:
-            raise BudgetError(f"no noise level keeps the total within {target}")
-    lo = hi / 2
-    while total(lo) <= target and lo > 1e-3:
-        hi, lo = lo, lo / 2
-    while hi / lo > 1.005:  # total(lo) > target >= total(hi)
-        mid = math.sqrt(lo * hi)
-        if total(mid) <= target:
-            hi = mid
-        else:
-            lo = mid
-    return epsilon_from_history([Segment(hi, sample_rate, steps)], delta, accountant)
+def history_of(rows: Iterable[dict]) -> tuple[Segment, ...]:
+    """A history as written in the JSON outputs (`history_rows`), read back."""
+    return tuple(Segment(**r) for r in rows)
 
 
-def calibrate_final_epsilon(
-    spent: Composition,
-    delta: float,
-    target: float,
-    planned_final: Callable[[float], list[Segment]],
-    guess: float | None = None,
-    tol: float = 0.01,
-    max_evals: int = 25,
-) -> tuple[float, list[Segment], float]:
-    """Per-run epsilon e_f of the final run such that everything meets the target.
-
-    `planned_final(e)` is the history the final run would record when its algorithm is
-    calibrated for per-run epsilon e (sigma grows as e falls, so the total is increasing in e).
-    Returns (e_f, its planned history, total epsilon of spent + final) with the total within
-    the target and, unless `max_evals` runs out, above (1 - tol) * target. Each evaluation
-    calibrates sigma (seconds with PRV), so the root is found by regula falsi (Illinois
-    variant) from `guess` (default sqrt(target^2 - spent^2): additive mu's of nearly Gaussian
-    losses). e_f may exceed the target when the run's accountant is looser than PLD (RDP).
-    Only evaluated, feasible points are returned.
-    """
-    base = spent.pld()
-    base_eps = epsilon_of(base, delta)
-    if base_eps >= target:
-        raise BudgetError(
-            f"trials and selections already spend epsilon {base_eps:.4f} >= target {target}; "
-            "lower hpo.sweep_epsilons, trials_per_sweep or the selection cost"
-        )
-
-    def total(e: float) -> tuple[float, list[Segment]]:
-        hist = planned_final(e)
-        return epsilon_of(compose([base, history_pld(hist)]), delta), hist
-
-    # g(e) = total(e) - target, increasing; g(0) = base_eps - target < 0 (no final run).
-    lo, g_lo = 0.0, base_eps - target
-    hi: float | None = None
-    g_hi = math.inf
-    best: tuple[float, list[Segment], float] | None = None
-    e = guess if guess and guess > 0 else math.sqrt(target**2 - base_eps**2)
-    side = 0
-    for _ in range(max_evals):
-        tot, hist = total(e)
-        g = tot - target
-        if g <= 0:
-            lo, g_lo, best = e, g, (e, hist, tot)
-            if -g <= tol * target:
-                break
-            if side < 0:
-                g_hi /= 2
-            side = -1
-        else:
-            hi, g_hi = e, g
-            if side > 0:
-                g_lo /= 2
-            side = 1
-        if hi is None:  # no infeasible point yet: step up, by the shortfall's ratio
-            e = lo * min(2.0, max(1.02, target / max(tot, 1e-12)))
-            continue
-        if hi - lo <= 1e-6 * target:
-            break
-        margin = 0.01 * (hi - lo)
-        e = min(max(hi - g_hi * (hi - lo) / (g_hi - g_lo), lo + margin), hi - margin)
-    if best is None or not math.isfinite(best[2]):
-        raise BudgetError(f"no positive final budget keeps the total within {target}")
-    return best
+def history_rows(history: Iterable[Segment]) -> list[dict]:
+    """A history as the JSON outputs write it: one {noise_multiplier, sample_rate, steps} each."""
+    return [
+        dict(noise_multiplier=s.noise_multiplier, sample_rate=s.sample_rate, steps=s.steps)
+        for s in history
+    ]

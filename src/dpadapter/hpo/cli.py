@@ -1,4 +1,4 @@
-"""`python -m dpadapter --config C hpo <step> ...`: the entry points of workflow/rules/hpo.smk.
+"""`python -m dpadapter --config C hpo <step> ...`: the entry points of workflow/rules/hpo*.smk.
 
 Kept apart from `dpadapter.cli` so that the shared parser only gains one line per hook; nothing
 heavy is imported until a step runs.
@@ -80,38 +80,43 @@ def add_parsers(parser: argparse.ArgumentParser) -> None:
 
 
 def run(cfg: Config, args: argparse.Namespace) -> None:
-    from dpadapter.hpo import stages, summary
+    if args.hpo_step in ("features", "probe-oracle", "probe-seed", "probe-summary"):
+        _probe(cfg, args)
+    else:
+        _network(cfg, args)
 
-    a = args
+
+def _network(cfg: Config, a: argparse.Namespace) -> None:
+    """The network regime's steps (`dpadapter.hpo.network`)."""
+    from dpadapter.hpo.network import baselines, final, plan, summary, trials
+
     if a.hpo_step == "plan":
-        p = stages.plan(cfg, a.upstream, a.task, a.algo, a.seed, a.out)
+        p = plan.plan(cfg, a.upstream, a.task, a.algo, a.seed, a.out)
         total = p["planned_total_epsilon"]
         print(f"final epsilon {p['final']['epsilon']:.4f}  planned total {total:.4f}")
     elif a.hpo_step == "trial":
-        m = stages.trial(cfg, a.plan, a.sweep, a.trial, a.ckpt, a.out)
+        m = trials.trial(cfg, a.plan, a.sweep, a.trial, a.ckpt, a.out)
         print(f"trial r={m['hpo']['r']:.4g} epsilon {m['privacy']['epsilon']:.4f}")
     elif a.hpo_step == "sweep":
-        s = stages.sweep(cfg, a.plan, a.sweep, a.trials, a.out)
+        s = trials.sweep(cfg, a.plan, a.sweep, a.trials, a.out)
         print(f"sweep {a.sweep}: chose trial {s['chosen']} (r={s['r']:.4g})")
     elif a.hpo_step == "fit":
-        f = stages.fit(cfg, a.plan, a.sweeps, a.out)
+        f = final.fit(cfg, a.plan, a.sweeps, a.out)
         print(f"r* = {f['r_star']:.4g} (predicted {f['r_predicted']:.4g})")
     elif a.hpo_step == "final":
-        m = stages.final(cfg, a.plan, a.fit, a.sweeps, a.trials, a.ckpt, a.out)
+        m = final.final(cfg, a.plan, a.fit, a.sweeps, a.trials, a.ckpt, a.out)
         print(
             f"test accuracy {m['test_accuracy']:.4f}  total epsilon {m['hpo']['total_epsilon']:.4f}"
         )
     elif a.hpo_step == "random-search":
-        m = stages.random_search(cfg, a.plan, a.ckpt, a.out)
+        m = baselines.random_search(cfg, a.plan, a.ckpt, a.out)
         print(f"test accuracy {m['test_accuracy']:.4f}")
     elif a.hpo_step == "grid-run":
-        m = stages.grid_run(cfg, a.plan, a.point, a.ckpt, a.out)
+        m = baselines.grid_run(cfg, a.plan, a.point, a.ckpt, a.out)
         print(f"test accuracy {m['test_accuracy']:.4f}")
     elif a.hpo_step == "grid-oracle":
-        o = stages.grid_oracle(cfg, a.plan, a.runs, a.out)
+        o = baselines.grid_oracle(cfg, a.plan, a.runs, a.out)
         print(f"oracle r={o['r']:.4g} test accuracy {o['test_accuracy']:.4f}")
-    elif a.hpo_step in ("features", "probe-oracle", "probe-seed", "probe-summary"):
-        _probe(cfg, a)
     elif a.hpo_step == "summary":
         summary.run(a.final, a.random, a.oracle, a.csv, a.md)
         print(a.md.read_text())
@@ -121,18 +126,18 @@ def _probe(cfg: Config, a: argparse.Namespace) -> None:
     """The linear-probe regime's steps (`dpadapter.hpo.probe`)."""
     import json
 
-    from dpadapter.hpo import features, probe, probe_summary
+    from dpadapter.hpo.probe import features, oracle, replicate, summary
     from dpadapter.stages.job import write_json
 
     if a.hpo_step == "features":
         p = features.compute(cfg, a.task, a.ckpt, a.out)
         print(f"features {tuple(p['train']['x'].shape)} (train), {len(p['test']['y'])} test")
     elif a.hpo_step == "probe-oracle":
-        o = probe.oracle(cfg, a.features)
+        o = oracle.oracle(cfg, a.features)
         write_json(a.out, o)
         print(json.dumps(o["premise"]))
     elif a.hpo_step == "probe-seed":
-        write_json(a.out, probe.seed_run(cfg, a.features, a.seed))
+        write_json(a.out, replicate.seed_run(cfg, a.features, a.seed))
     else:
-        probe_summary.run(a.oracle, a.seeds, a.csv, a.md, a.json)
+        summary.run(a.oracle, a.seeds, a.csv, a.md, a.json)
         print(a.md.read_text())

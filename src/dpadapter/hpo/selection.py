@@ -86,3 +86,9 @@ class SelectionMechanism:
             noisy = c + rng.normal(0.0, self.noise_std, size=len(c))
             return int(np.argmax(noisy)), {"noisy_counts": [float(v) for v in noisy]}
         return int(np.argmax(c)), {"raw_counts": [int(v) for v in c]}
+
+
+def selection_of(cfg) -> SelectionMechanism:
+    """The accounted (or, with `none`, the stated unaccounted) selection the config asks for."""
+    h = cfg.hpo
+    return SelectionMechanism(h.selection, h.selection_epsilon, h.selection_noise_std)

@@ -156,3 +156,21 @@ def fit_scaling(points: Sequence[tuple[float, float]], kind: str = "linear") -> 
         raise ValueError(f"sweep budgets must be distinct, got {eps}")
     coeffs = np.polyfit(eps, [r for _, r in pts], degree)
     return ScalingFit(kind, tuple(float(c) for c in coeffs), pts)
+
+
+def space_of(cfg) -> SearchSpace:
+    """The config's search space (`hpo.lr_range`, `steps_range`, `grid_size`), both regimes."""
+    h = cfg.hpo
+    return SearchSpace(
+        h.lr_range[0], h.lr_range[1], h.steps_range[0], h.steps_range[1], h.grid_size
+    )
+
+
+def step_dict(c: StepConfig) -> dict:
+    """How a configuration is written into every output (r first, so a reader sees the rule)."""
+    return {"r": c.r, "lr": c.lr, "steps": c.steps}
+
+
+def step_from(d: dict) -> StepConfig:
+    """The configuration of a `step_dict` (r is derived, so it is not read back)."""
+    return StepConfig(lr=float(d["lr"]), steps=int(d["steps"]))

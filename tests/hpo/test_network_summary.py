@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from dpadapter.hpo import summary
+from dpadapter.hpo.network import summary
 
 
 def _final(path, acc, total, accounted=True):

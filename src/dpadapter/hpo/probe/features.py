@@ -14,6 +14,7 @@ clips about as much for every checkpoint and the r grid means the same thing acr
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -64,3 +65,28 @@ def compute(cfg, task: str, ckpt: Path, out: Path) -> dict:
 
 def load(path: Path) -> dict:
     return torch.load(path, map_location="cpu", weights_only=True)
+
+
+@dataclass(frozen=True)
+class Split:
+    x: torch.Tensor  # (n, d) features
+    y: torch.Tensor  # (n,) labels
+
+
+@dataclass(frozen=True)
+class ProbeData:
+    num_classes: int
+    train: Split
+    val: Split
+    test: Split | None  # None where selection runs: the test split is never handed to it
+
+
+def load_data(path: Path, with_test: bool) -> ProbeData:
+    p = load(path)
+
+    def split(name: str) -> Split:
+        return Split(p[name]["x"].float(), p[name]["y"].long())
+
+    return ProbeData(
+        int(p["num_classes"]), split("train"), split("val"), split("test") if with_test else None
+    )

@@ -85,13 +85,13 @@ def step_spec(
     return StepBudgetSpec(**kw, steps=int(steps))
 
 
-def planned_history(algo: str, spec: DPRunSpec, steps: int | None = None) -> list[Segment]:
-    """The releases a run of `spec` will record in its first `steps` steps (default: all).
+def planned_history(algo: str, spec: DPRunSpec) -> list[Segment]:
+    """The releases a run of `spec` will record.
 
     Built from the algorithm's own schedule (`noise_multiplier(epoch)`, the accounted sigma),
     so it holds for every registered algorithm, before any data is read.
     """
-    steps = spec.total_steps if steps is None else steps
+    steps = spec.total_steps
     inst = ALGORITHMS[algo](spec, PrivacyLedger(spec.delta, spec.accountant), torch.Generator())
     spe = spec.steps_per_epoch
     segs = [

@@ -1,5 +1,6 @@
-"""The whole HPO in-process on the tiny synthetic config: privacy total, test-split isolation,
-MLflow nesting, and the summary. One run (module fixture) is shared by the assertions."""
+"""The network regime's whole HPO in-process on the tiny synthetic config: privacy total,
+test-split isolation, MLflow nesting, and the summary. One run (module fixture) is shared by the
+assertions; the fit's monotone floor and the runs' `hpo.strategy` are checked on their own."""
 
 import copy
 import csv
@@ -14,6 +15,7 @@ import pytest
 from tiny_config import TINY_RAW
 
 HPO = {
+    "regime": "network",
     "upstreams": ["scratch"],
     "tasks": ["syn-shift"],
     "algorithms": ["dpsgd"],
@@ -78,7 +80,11 @@ def hpo_run(tmp_path_factory):
     import dpadapter.data
     import dpadapter.data.tasks
     from dpadapter.config import from_dict
-    from dpadapter.hpo import stages, summary
+    from dpadapter.hpo.network import summary
+    from dpadapter.hpo.network.baselines import grid_oracle, grid_run, random_search
+    from dpadapter.hpo.network.final import final, fit
+    from dpadapter.hpo.network.plan import plan
+    from dpadapter.hpo.network.trials import sweep, trial
 
     wd = tmp_path_factory.mktemp("hpo")
     raw = copy.deepcopy(TINY_RAW)
@@ -98,28 +104,26 @@ def hpo_run(tmp_path_factory):
         # Everything that leads to a choice runs with the test split replaced by a trap.
         mp.setattr(dpadapter.data, "build_splits", _poisoned(real))
         mp.setattr(dpadapter.data.tasks, "build_splits", _poisoned(real))
-        stages.plan(cfg, "scratch", "syn-shift", "dpsgd", 0, plan_path)
+        plan(cfg, "scratch", "syn-shift", "dpsgd", 0, plan_path)
         for k in range(2):
             ks = []
             for i in range(2):
-                stages.trial(cfg, plan_path, k, i, ckpt, root / "trials" / f"s{k}" / f"t{i}")
+                trial(cfg, plan_path, k, i, ckpt, root / "trials" / f"s{k}" / f"t{i}")
                 ks.append(root / "trials" / f"s{k}" / f"t{i}" / "metrics.json")
-            stages.sweep(cfg, plan_path, k, ks, root / f"sweep{k}.json")
+            sweep(cfg, plan_path, k, ks, root / f"sweep{k}.json")
             trials += ks
             sweeps.append(root / f"sweep{k}.json")
-        stages.fit(cfg, plan_path, sweeps, root / "fit.json")
+        fit(cfg, plan_path, sweeps, root / "fit.json")
         mp.setattr(dpadapter.data, "build_splits", real)
         mp.setattr(dpadapter.data.tasks, "build_splits", real)
         # Evaluation on the test split only from here on.
-        stages.final(
-            cfg, plan_path, root / "fit.json", sweeps, trials, ckpt, root / "linear_scaling"
-        )
-        stages.random_search(cfg, plan_path, ckpt, root / "random_search")
+        final(cfg, plan_path, root / "fit.json", sweeps, trials, ckpt, root / "linear_scaling")
+        random_search(cfg, plan_path, ckpt, root / "random_search")
         grid = []
         for j in range(3):
-            stages.grid_run(cfg, plan_path, j, ckpt, root / "grid" / f"p{j}")
+            grid_run(cfg, plan_path, j, ckpt, root / "grid" / f"p{j}")
             grid.append(root / "grid" / f"p{j}" / "metrics.json")
-        stages.grid_oracle(cfg, plan_path, grid, root / "grid_oracle.json")
+        grid_oracle(cfg, plan_path, grid, root / "grid_oracle.json")
         summary.run(
             [root / "linear_scaling" / "metrics.json"],
             [root / "random_search" / "metrics.json"],
@@ -200,7 +204,7 @@ def test_selection_never_read_the_test_split(hpo_run):
 
 
 def test_fit_is_clamped_and_the_final_run_uses_it(hpo_run):
-    from dpadapter.hpo.stages import space_of
+    from dpadapter.hpo.space import space_of
 
     root = hpo_run["root"]
     fit = _read(root / "fit.json")
@@ -259,7 +263,7 @@ def test_summary_csv_and_rerr_table(hpo_run):
 
 
 def test_final_refuses_trials_that_released_more_than_planned(hpo_run, tmp_path, monkeypatch):
-    from dpadapter.hpo import stages
+    from dpadapter.hpo.network.final import final
 
     root = hpo_run["root"]
     bad = tmp_path / "t.json"
@@ -269,7 +273,7 @@ def test_final_refuses_trials_that_released_more_than_planned(hpo_run, tmp_path,
     monkeypatch.chdir(hpo_run["wd"])
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{hpo_run['wd'] / 'mlruns.db'}")
     with pytest.raises(RuntimeError, match="more than planned"):
-        stages.final(
+        final(
             hpo_run["cfg"],
             root / "plan.json",
             root / "fit.json",
@@ -279,3 +283,59 @@ def test_final_refuses_trials_that_released_more_than_planned(hpo_run, tmp_path,
             tmp_path / "out",
         )
     assert not os.path.exists(tmp_path / "out" / "metrics.json")
+
+
+def test_fit_stage_floors_a_negative_slope_when_monotone(tmp_path):
+    from dpadapter.config import from_dict
+    from dpadapter.hpo.network.final import fit
+    from dpadapter.hpo.network.plan import PLAN_VERSION
+    from dpadapter.hpo.space import space_of
+
+    cfg = from_dict(copy.deepcopy(TINY_RAW))
+    plan = {"version": PLAN_VERSION, "delta": cfg.privacy.delta, "fit": "linear",
+            "target_epsilon": cfg.hpo.target_epsilon, "sweeps": [{}, {}],
+            "final": {"epsilon": 0.8}}  # fmt: skip
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    paths = []
+    for k, (eps, r) in enumerate([(0.1, 11.0), (0.2, 5.0)]):  # noisy sweeps: negative slope
+        paths.append(tmp_path / f"sweep{k}.json")
+        paths[-1].write_text(json.dumps({"sweep": k, "epsilon": eps, "r": r}))
+    space = space_of(cfg)
+    raw = fit(cfg, tmp_path / "plan.json", paths, tmp_path / "fit.json")
+    assert raw["r_predicted"] == pytest.approx(11.0 - 60.0 * 0.7)
+    assert raw["r_star"] == space.r_min and raw["clamped"] and not raw["floored"]
+    mono = replace(cfg, hpo=replace(cfg.hpo, monotone=True))
+    floored = fit(mono, tmp_path / "plan.json", paths, tmp_path / "fit.json")
+    assert floored["r_star"] == 11.0 and floored["floored"]
+    assert floored["final"]["lr"] * floored["final"]["steps"] == pytest.approx(11.0)
+
+
+@pytest.mark.parametrize("strategy,backbone_moves", [("ht", False), ("ft", True)])
+def test_hpo_runs_train_what_hpo_strategy_says(tmp_path, strategy, backbone_moves):
+    import torch
+
+    from dpadapter.config import from_dict
+    from dpadapter.data import build_splits
+    from dpadapter.hpo.network.runner import train_config
+    from dpadapter.hpo.space import StepConfig
+    from dpadapter.models import create_model
+    from dpadapter.train.checkpoint import save_model
+
+    raw = copy.deepcopy(TINY_RAW)
+    raw["results_dir"] = str(tmp_path)
+    raw["privacy"] = {"delta": 1e-5, "accountant": "rdp"}
+    raw["hpo"] = {"regime": "network", "strategy": strategy}
+    cfg = from_dict(raw)
+    plan, roles = build_splits(cfg, ["syn-shift"])
+    model = create_model(cfg.model, 5, plan.in_chans, seed=0)
+    ckpt = (
+        save_model(tmp_path / "m.pt", model, cfg.model, 5, plan.in_chans, {}) or tmp_path / "m.pt"
+    )
+    before = {k: v.clone() for k, v in model.state_dict().items() if not k.startswith("head")}
+    res = train_config(
+        cfg, roles["syn-shift"].train, 5, tmp_path / "m.pt", "dpsgd", StepConfig(1.0, 2), 2.0, 0
+    )
+    after = {k: v for k, v in res.model.state_dict().items() if k in before}
+    moved = any(not torch.equal(before[k], after[k]) for k in before)
+    assert moved == backbone_moves
+    assert ckpt is not None

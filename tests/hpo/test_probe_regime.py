@@ -1,5 +1,5 @@
 """The linear-probe regime: features, full-batch DP-GD and its accounting, the exact random-search
-expectation, the premise check, one HPO replicate, and the HPO's strategy."""
+expectation, the premise check and one HPO replicate."""
 
 import copy
 import math
@@ -10,8 +10,8 @@ import torch
 from tiny_config import TINY_RAW
 
 from dpadapter.config import ConfigError, from_dict
-from dpadapter.hpo import features, probe
 from dpadapter.hpo.accounting import Composition
+from dpadapter.hpo.probe import dpgd, features, oracle, privacy, replicate
 from dpadapter.privacy import Segment
 
 DELTA = 1e-5
@@ -47,24 +47,24 @@ def test_full_batch_history_is_one_gaussian_of_mu_sqrt_t_over_sigma(sigma, steps
 
 def test_calibrated_runs_meet_their_budget_for_any_number_of_steps():
     for eps in (0.05, 0.5, 2.0):
-        s1 = probe.single_release_sigma(eps, DELTA)
-        spent = [Composition((probe.run_history(s1, t),)).epsilon(DELTA) for t in (1, 13, 200)]
+        s1 = privacy.single_release_sigma(eps, DELTA)
+        spent = [Composition((privacy.run_history(s1, t),)).epsilon(DELTA) for t in (1, 13, 200)]
         assert all(e <= eps + 1e-9 for e in spent)
         assert min(spent) >= 0.99 * eps  # not wastefully loose
         assert max(spent) - min(spent) < 1e-6  # the PLD does not depend on T at equal mu
 
 
 def test_final_budget_keeps_the_composition_within_target():
-    s1 = probe.single_release_sigma(0.1, DELTA)
+    s1 = privacy.single_release_sigma(0.1, DELTA)
     spent = Composition(
-        tuple(probe.run_history(s1, t) for t in (5, 50, 200)),
+        tuple(privacy.run_history(s1, t) for t in (5, 50, 200)),
         ({"mechanism": "exponential", "pure_epsilon": 0.05},),
     )
-    sf = probe.final_sigma(spent, DELTA, 1.0)
-    total = Composition((*spent.histories, probe.run_history(sf, 77)), spent.releases)
+    sf = privacy.final_sigma(spent, DELTA, 1.0)
+    total = Composition((*spent.histories, privacy.run_history(sf, 77)), spent.releases)
     assert 0.99 <= total.epsilon(DELTA) <= 1.0
     with pytest.raises(ValueError, match="already spend"):
-        probe.final_sigma(spent, DELTA, 0.1)
+        privacy.final_sigma(spent, DELTA, 0.1)
 
 
 # --- training --------------------------------------------------------------------------------
@@ -74,7 +74,7 @@ def test_clipped_gradient_sum_matches_autograd_per_example():
     y = torch.randint(0, 3, (7,), generator=g)
     w = torch.randn(2, 4, 3, generator=g)
     y1 = torch.nn.functional.one_hot(y, 3).float()
-    got = probe.clipped_grad_sum(x, y1, w, clip=0.5)
+    got = dpgd.clipped_grad_sum(x, y1, w, clip=0.5)
     for k in range(2):
         want = torch.zeros(4, 3)
         for i in range(7):
@@ -87,35 +87,35 @@ def test_clipped_gradient_sum_matches_autograd_per_example():
 
 def test_runs_stop_after_their_own_steps_and_noise_is_per_seed():
     g = torch.Generator().manual_seed(1)
-    data = probe.Split(torch.randn(50, 6, generator=g), torch.randint(0, 3, (50,), generator=g))
-    a = probe.Run(0.5, 3, 20.0, 7)
-    b = probe.Run(0.5, 10, 20.0, 8)
-    both = probe.train(data, 3, [a, b], 0.9, 1.0)
-    alone = probe.train(data, 3, [a], 0.9, 1.0)
+    data = features.Split(torch.randn(50, 6, generator=g), torch.randint(0, 3, (50,), generator=g))
+    a = dpgd.Run(0.5, 3, 20.0, 7)
+    b = dpgd.Run(0.5, 10, 20.0, 8)
+    both = dpgd.train(data, 3, [a, b], 0.9, 1.0)
+    alone = dpgd.train(data, 3, [a], 0.9, 1.0)
     assert torch.allclose(both[0], alone[0], atol=1e-6)  # batching changes nothing
     assert not torch.allclose(both[0], both[1])
-    zero = probe.train(data, 3, [probe.Run(0.5, 0, 1.0, 0)], 0.9, 1.0)
+    zero = dpgd.train(data, 3, [dpgd.Run(0.5, 0, 1.0, 0)], 0.9, 1.0)
     assert torch.count_nonzero(zero) == 0  # zero initialisation
 
 
 # --- baselines and premise -------------------------------------------------------------------
 def test_random_search_is_the_exact_expectation_over_the_grid():
     accs = [0.2, 0.9, 0.5, 0.4]
-    assert probe.random_search_expectation(accs) == pytest.approx(np.mean(accs))
+    assert oracle.random_search_expectation(accs) == pytest.approx(np.mean(accs))
     # against simulation: a uniformly drawn grid point, many times
     rng = np.random.default_rng(0)
     sim = np.mean([accs[i] for i in rng.integers(len(accs), size=200_000)])
-    assert probe.random_search_expectation(accs) == pytest.approx(sim, abs=3e-3)
+    assert oracle.random_search_expectation(accs) == pytest.approx(sim, abs=3e-3)
     with pytest.raises(ValueError):
-        probe.random_search_expectation([])
+        oracle.random_search_expectation([])
 
 
 def test_premise_detects_linear_rise_and_its_absence():
-    up = probe.premise({0.1: 10.0, 0.5: 52.0, 1.0: 98.0, 2.0: 205.0})
+    up = oracle.premise({0.1: 10.0, 0.5: 52.0, 1.0: 98.0, 2.0: 205.0})
     assert up["holds"] and up["slope"] > 0 and up["r2"] > 0.99
-    down = probe.premise({0.1: 200.0, 0.5: 90.0, 1.0: 40.0, 2.0: 10.0})
+    down = oracle.premise({0.1: 200.0, 0.5: 90.0, 1.0: 40.0, 2.0: 10.0})
     assert not down["holds"] and down["slope"] < 0
-    flat = probe.premise({0.1: 5.0, 0.5: 5.0, 1.0: 5.0})
+    flat = oracle.premise({0.1: 5.0, 0.5: 5.0, 1.0: 5.0})
     assert not flat["holds"]
 
 
@@ -173,11 +173,11 @@ def test_one_replicate_accounts_everything_and_labels_the_raw_selection(tmp_path
     cfg = _probe_cfg(tmp_path)
     path = _features(tmp_path)
     loads = []
-    real = probe.load_data
+    real = replicate.load_data
     monkeypatch.setattr(
-        probe, "load_data", lambda p, with_test: loads.append(with_test) or real(p, with_test)
+        replicate, "load_data", lambda p, with_test: loads.append(with_test) or real(p, with_test)
     )
-    out = probe.seed_run(cfg, path, 0)
+    out = replicate.seed_run(cfg, path, 0)
     assert loads[0] is False and loads[-1] is True  # trials and selections never see test
     trial_hists = [tuple(Segment(**s) for s in t["history"]) for t in out["trials"]]
     for t, h in zip(out["trials"], trial_hists, strict=True):
@@ -198,11 +198,11 @@ def test_one_replicate_accounts_everything_and_labels_the_raw_selection(tmp_path
 
 
 def test_oracle_and_summary(tmp_path):
-    from dpadapter.hpo import probe_summary
+    from dpadapter.hpo.probe import summary as probe_summary
 
     cfg = _probe_cfg(tmp_path)
     path = _features(tmp_path)
-    o = probe.oracle(cfg, path)
+    o = oracle.oracle(cfg, path)
     assert sorted(o["budgets"]) == ["0.1", "0.2", "1", "2"]
     b = o["budgets"]["1"]
     assert len(b["grid"]) == 5 and all(len(g["test_accuracy"]) == 2 for g in b["grid"])
@@ -210,7 +210,7 @@ def test_oracle_and_summary(tmp_path):
         np.mean([g["mean_test"] for g in b["grid"]])
     )
     assert b["best_index"] == int(np.argmax([g["mean_val"] for g in b["grid"]]))
-    seeds = [probe.seed_run(cfg, path, s) for s in (0, 1, 2)]
+    seeds = [replicate.seed_run(cfg, path, s) for s in (0, 1, 2)]
     key = ("scratch", "syn-shift")
     rows, result = probe_summary.summarise({key: o}, {key: seeds})
     cell = result["cells"][0]
@@ -269,51 +269,3 @@ def test_default_config_carves_the_hpo_task_beside_the_others():
             assert torch.equal(getattr(a[name], part), getattr(b[name], part))
     used = torch.cat([a[n].test for n in a if a[n].dataset == "fashion-mnist"])
     assert used.unique().numel() == used.numel()  # disjoint
-
-
-# --- the network regime's strategy --------------------------------------------------------------
-@pytest.mark.parametrize("strategy,backbone_moves", [("ht", False), ("ft", True)])
-def test_hpo_runs_train_what_hpo_strategy_says(tmp_path, strategy, backbone_moves):
-    from dpadapter.data import build_splits
-    from dpadapter.hpo.runner import train_config
-    from dpadapter.hpo.space import StepConfig
-    from dpadapter.models import create_model
-    from dpadapter.train.checkpoint import save_model
-
-    raw = copy.deepcopy(TINY_RAW)
-    raw["results_dir"] = str(tmp_path)
-    raw["privacy"] = {"delta": 1e-5, "accountant": "rdp"}
-    raw["hpo"] = {"strategy": strategy}
-    cfg = from_dict(raw)
-    plan, roles = build_splits(cfg, ["syn-shift"])
-    model = create_model(cfg.model, 5, plan.in_chans, seed=0)
-    ckpt = (
-        save_model(tmp_path / "m.pt", model, cfg.model, 5, plan.in_chans, {}) or tmp_path / "m.pt"
-    )
-    before = {k: v.clone() for k, v in model.state_dict().items() if not k.startswith("head")}
-    res = train_config(
-        cfg, roles["syn-shift"].train, 5, tmp_path / "m.pt", "dpsgd", StepConfig(1.0, 2), 2.0, 0
-    )
-    after = {k: v for k, v in res.model.state_dict().items() if k in before}
-    moved = any(not torch.equal(before[k], after[k]) for k in before)
-    assert moved == backbone_moves
-    assert ckpt is not None
-
-
-def test_linear_probe_regime_schedules_its_own_rules(tmp_path):
-    import yaml
-    from test_hpo_workflow import _counts, _dry_run
-
-    raw = copy.deepcopy(TINY_RAW)
-    raw["hpo"] = {
-        "regime": "linear-probe",
-        "upstreams": ["scratch"],
-        "tasks": ["syn-shift"],
-        "seeds": [0, 1, 2],
-        "target_epsilons": [1.0, 2.0],
-        "sweep_epsilons": [0.1, 0.2],
-    }
-    (tmp_path / "config.yaml").write_text(yaml.safe_dump(raw))
-    c = _counts(_dry_run(tmp_path, "hpo"))
-    assert c["hpo_features"] == 1 and c["hpo_probe_oracle"] == 1 and c["hpo_probe_seed"] == 3
-    assert c["hpo_probe_summary"] == 1 and "hpo_trial" not in c and "hpo_summary" not in c
