@@ -44,9 +44,9 @@ import dpadapter  # noqa: E402, F401
 from dpadapter import device as devices  # noqa: E402
 from dpadapter.algorithms import ALGORITHMS  # noqa: E402
 from dpadapter.config import SGDConfig, from_dict  # noqa: E402
+from dpadapter.data import public_train  # noqa: E402
 from dpadapter.models import create_model, replace_head  # noqa: E402
 from dpadapter.privacy import Segment, epsilon_from_history  # noqa: E402
-from dpadapter.stages.finetune import public_data  # noqa: E402
 from dpadapter.train.dp_fit import FitSettings, dp_fit  # noqa: E402
 from dpadapter.train.dp_spec import run_spec  # noqa: E402
 from dpadapter.train.loops import evaluate, robust_accuracy, sgd_train  # noqa: E402
@@ -197,7 +197,7 @@ def train_once(name: str, cfg, train, start: torch.nn.Module, dev: torch.device)
     t0 = time.time()
     try:
         settings = FitSettings.from_config(cfg)
-        _, ledger = dp_fit(model, train, name, spec, settings, 0, public=public_data(cfg))
+        _, ledger = dp_fit(model, train, name, spec, settings, 0, public=public_train(cfg))
     finally:
         algo_cls.train_step = original
     if dev.type == "cuda":

@@ -124,7 +124,7 @@ class FinetuneConfig:
     physical_batch_size: int | None = None
     # pad physical batches (and federated clients' samples) to one shape: auto = on CUDA only
     pad_batches: bool | str = "auto"
-    # How the Poisson rate q follows from batch_size (dpadapter.stages.finetune.sample_rate):
+    # How the Poisson rate q follows from batch_size (dpadapter.train.dp_spec.sample_rate):
     # "batch_size": q = batch_size / n; "loader": q = 1 / ceil(n / batch_size), what Opacus'
     # make_private gives a DataLoader(batch_size) (the DP-SAT paper's code).
     sample_rate_from: str = "batch_size"

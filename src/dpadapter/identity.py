@@ -8,7 +8,7 @@ starts (Snakemake's `onstart`, never in a dry run); the next invocation compares
 with it before any job is scheduled and names the sections that differ. A real run with a
 different config is refused unless `DPADAPTER_ALLOW_OVERWRITE=1` is set (docs/experiments.md).
 
-The same short hash names the MLflow runs (`dpadapter.stages.job`), so runs of different configs
+The same short hash names the MLflow runs (`dpadapter.job`), so runs of different configs
 can be told apart in the UI. Written by hand: neither Snakemake nor MLflow records which config
 produced a results folder.
 """

@@ -18,10 +18,12 @@ printed under each of them.
 
 from __future__ import annotations
 
+import csv
 import math
 import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 SINGLE = "†"
 INVERTED = "▼"
@@ -112,3 +114,19 @@ def how_to_read(
     if upper_bounds:
         text += " Every ε is an upper bound from the accountant over every step taken."
     return text
+
+
+def _cell(key: str, value):
+    if key == "epsilon":
+        return f"{value:g}"  # a grid coordinate, as in the paths (eps1, eps0.5)
+    return f"{value:.4f}" if isinstance(value, float) else value
+
+
+def write_csv(rows: list[dict], path: Path, columns: list[str]) -> None:
+    """The summary CSVs (finetune, hpo, federated): `columns` in order, floats to 4 places."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=columns)
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: _cell(k, r[k]) for k in columns if k in r})

@@ -135,7 +135,7 @@ def empty_step(run: Run) -> None:
 
 
 def snapshot(run: Run) -> dict[str, Any]:
-    """Everything the stage's resume state holds (see finetune.dp_train)."""
+    """Everything the stage's resume state holds (see dpadapter.train.dp_fit)."""
     return copy.deepcopy(
         {
             "model": run.model.state_dict(),

@@ -58,7 +58,7 @@ def test_registered_algorithm_stays_within_its_claim(audit_cfg, algo):
     """The audit that catches the mutants above, at half their steps (to keep the suite fast)."""
     cfg = dataclasses.replace(audit_cfg, audit=dataclasses.replace(audit_cfg.audit, epochs=3))
     r = audit_run(cfg, algo, 2.0)
-    # the run went through dp_train's accounting: every step recorded, the claim is the target
+    # the run went through dp_fit's accounting: every step recorded, the claim is the target
     assert r["steps"] == 3 * int(1 / r["sample_rate"])
     assert 1.9 < r["claimed_epsilon"] <= 2.0 * 1.001
     assert r["epsilon_lb"] <= r["claimed_epsilon"], r["best_test"]

@@ -43,7 +43,7 @@ def grid(tmp_path):
 def test_mean_std_and_csv_columns(grid, tmp_path):
     rows = aggregate.collect(grid)
     out = tmp_path / "finetune.csv"
-    aggregate.write_csv(rows, out)
+    aggregate.write_csv(rows, out, aggregate.COLUMNS)
     got = list(csv.DictReader(open(out)))
     assert list(got[0]) == aggregate.COLUMNS
     row = next(

@@ -4,7 +4,8 @@ import pytest
 
 from dpadapter.config import load
 from dpadapter.stages import reference
-from dpadapter.stages.aggregate import COLUMNS, write_csv
+from dpadapter.stages.aggregate import COLUMNS
+from dpadapter.tables import write_csv
 
 REPO = __import__("pathlib").Path(__file__).resolve().parents[2]
 

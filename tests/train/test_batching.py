@@ -12,10 +12,9 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from dpadapter.algorithms import ALGORITHMS
 from dpadapter.config import ModelConfig
-from dpadapter.data import build_splits
+from dpadapter.data import build_splits, public_train
 from dpadapter.device import full_fp32
 from dpadapter.models import create_model, replace_head
-from dpadapter.stages.finetune import public_data
 from dpadapter.train.batching import (
     PAD_LABEL,
     PoissonBatches,
@@ -148,7 +147,7 @@ def test_padding_changes_no_algorithm_update(algo, physical, mode, tiny_cfg, mon
         model = copy.deepcopy(start)
         settings = FitSettings.from_config(run_cfg)
         algo_run, ledger = dp_fit(
-            model, train, algo, spec, settings, 0, public=public_data(cfg), max_steps=max_steps
+            model, train, algo, spec, settings, 0, public=public_train(cfg), max_steps=max_steps
         )
         out.append((model.state_dict(), ledger.steps, algo_run.describe()))
     (wa, sa, da), (wb, sb, db) = out

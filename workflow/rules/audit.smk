@@ -22,7 +22,7 @@ AUDIT_FP = fingerprint("data", "tasks", "privacy", "public", "federated") + json
 
 
 rule audit_run:
-    """One audited training run: canaries in, dp_train as fine-tuning runs it, a lower bound out."""
+    """One audited training run: canaries in, dp_fit as fine-tuning runs it, a lower bound out."""
     output:
         record=f"{RESULTS}/audit/{{algo}}/eps{{eps}}/audit.json",
     params:

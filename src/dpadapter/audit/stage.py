@@ -16,7 +16,7 @@ import torch
 
 from dpadapter.algorithms import ALGORITHMS
 from dpadapter.config import Config, ConfigError
-from dpadapter.stages.job import write_json
+from dpadapter.job import write_json
 
 COLUMNS = (
     "algorithm",

@@ -9,7 +9,7 @@ from dpadapter.data.registry import (
     missing_files,
     register_dataset,
 )
-from dpadapter.data.tasks import RoleData, SplitPlan, build_splits
+from dpadapter.data.tasks import RoleData, SplitPlan, build_splits, public_train
 
 __all__ = [
     "DATASET_INFO",
@@ -20,6 +20,7 @@ __all__ = [
     "RoleData",
     "SplitPlan",
     "build_splits",
+    "public_train",
     "load_dataset",
     "missing_files",
     "register_dataset",

@@ -12,6 +12,7 @@ constants, `data.normalization`), so no private statistic leaks into pre-process
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -186,3 +187,8 @@ def build_splits(
             parts.append(TensorDataset(x, _relabel(pool.labels[idx], a.classes)))
         out[name] = RoleData(name, len(a.classes), *parts, allocation=a)
     return plan, out
+
+
+def public_train(cfg: Config) -> Callable[[], TensorDataset]:
+    """The public training split, loaded when called: only algorithms with public data ask."""
+    return lambda: build_splits(cfg, ["public"])[1]["public"].train

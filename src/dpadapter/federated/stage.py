@@ -37,9 +37,9 @@ from dpadapter.federated.mechanisms import (
 )
 from dpadapter.federated.partition import dirichlet_partition
 from dpadapter.federated.simulation import Client, Federation, MechanismRun
+from dpadapter.job import seed_everything, training_job
 from dpadapter.models import replace_head
 from dpadapter.privacy import Segment, calibrate_sigma
-from dpadapter.stages.job import seed_everything, training_job
 from dpadapter.strategies import FT, apply_phase, get_strategy, released_dims
 from dpadapter.train.batching import wants_padding
 from dpadapter.train.checkpoint import load_model

@@ -17,7 +17,7 @@ import statistics
 from collections import Counter, defaultdict
 from pathlib import Path
 
-from dpadapter.stages.aggregate import write_csv
+from dpadapter.tables import write_csv
 
 COLUMNS = [
     "strategy",
@@ -269,7 +269,7 @@ def run(
     md_path: Path,
 ) -> dict:
     from dpadapter.federated import plots
-    from dpadapter.stages.job import write_json
+    from dpadapter.job import write_json
 
     rows, preds = collect(metrics)
     write_csv(rows, csv_path, COLUMNS)

@@ -127,7 +127,7 @@ def _probe(cfg: Config, a: argparse.Namespace) -> None:
     import json
 
     from dpadapter.hpo.probe import features, oracle, replicate, summary
-    from dpadapter.stages.job import write_json
+    from dpadapter.job import write_json
 
     if a.hpo_step == "features":
         p = features.compute(cfg, a.task, a.ckpt, a.out)

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import csv
 import json
 import statistics
 from collections import defaultdict
 from pathlib import Path
 
-from dpadapter.tables import Stat, cell, flagged_cells, how_to_read
+from dpadapter.tables import Stat, cell, flagged_cells, how_to_read, write_csv
 
 COLUMNS = [
     "upstream",
@@ -49,22 +48,6 @@ def collect(paths: list[Path]) -> list[dict]:
             }
         )
     return rows
-
-
-def _cell(key: str, value):
-    if key == "epsilon":
-        return f"{value:g}"  # a grid coordinate, as in the paths (eps1, eps0.5)
-    return f"{value:.4f}" if isinstance(value, float) else value
-
-
-def write_csv(rows: list[dict], path: Path, columns: list[str] = COLUMNS) -> None:
-    """The summary CSVs (finetune, hpo, federated): `columns` in order, floats to 4 places."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=columns)
-        w.writeheader()
-        for r in rows:
-            w.writerow({k: _cell(k, r[k]) for k in columns if k in r})
 
 
 def _cells(rows: list[dict], mean: str, std: str) -> dict[tuple, str]:
@@ -158,7 +141,7 @@ def run(
     md_out: Path,
 ) -> list[dict]:
     rows = collect(metrics_paths)
-    write_csv(rows, csv_out)
+    write_csv(rows, csv_out, COLUMNS)
     pre = {}
     for p in pretrain_paths:
         m = json.loads(Path(p).read_text())

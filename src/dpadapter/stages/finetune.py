@@ -15,20 +15,15 @@ from pathlib import Path
 
 from dpadapter.algorithms import ALGORITHMS
 from dpadapter.config import Config
-from dpadapter.data import build_splits
+from dpadapter.data import build_splits, public_train
+from dpadapter.job import seed_everything, training_job
 from dpadapter.models import replace_head
-from dpadapter.stages.job import seed_everything, training_job
 from dpadapter.strategies import get_strategy, released_dims
 from dpadapter.train.checkpoint import load_model, save_model
 from dpadapter.train.dp_fit import FitSettings, dp_fit
 from dpadapter.train.dp_spec import run_spec
 from dpadapter.train.loops import evaluate, robust_accuracy
 from dpadapter.train.resume import ResumeFile, resume_file_path
-
-
-def public_data(cfg: Config):
-    """The public training split, loaded only if an algorithm asks for it (GEP's anchors)."""
-    return lambda: build_splits(cfg, ["public"])[1]["public"].train
 
 
 def resume_path(cfg: Config, wildcards: dict[str, str]) -> Path:
@@ -94,7 +89,7 @@ def run(
             spec,
             FitSettings.from_config(cfg),
             seed,
-            public=public_data(cfg),
+            public=public_train(cfg),
             on_epoch=log_epoch,
             resume=resume,
             schedule=schedule,

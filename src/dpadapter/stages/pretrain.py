@@ -8,7 +8,7 @@ from dpadapter import device as devices
 from dpadapter.config import Config
 from dpadapter.data import build_splits
 from dpadapter.data.tasks import RoleData
-from dpadapter.stages.job import seed_everything, training_job
+from dpadapter.job import seed_everything, training_job
 from dpadapter.train.checkpoint import file_sha256, load_model, save_model
 from dpadapter.train.loops import evaluate, robust_accuracy
 from dpadapter.train.resume import ResumeFile, resume_file_path

@@ -15,7 +15,7 @@ import csv
 from pathlib import Path
 
 from dpadapter.config import ReferenceConfig
-from dpadapter.stages.aggregate import write_csv
+from dpadapter.tables import write_csv
 
 COLUMNS = [
     "algorithm",

@@ -7,8 +7,8 @@ from pathlib import Path
 from dpadapter import device as devices
 from dpadapter.config import Config
 from dpadapter.data import build_splits
+from dpadapter.job import seed_everything, training_job
 from dpadapter.models import create_model
-from dpadapter.stages.job import seed_everything, training_job
 from dpadapter.stages.pretrain import public_report
 from dpadapter.train.checkpoint import save_model
 from dpadapter.train.loops import sgd_train

@@ -32,7 +32,7 @@ def read_json(path: Path) -> dict:
 
 
 def write_json(path: Path, payload: dict) -> None:
-    from dpadapter.stages.job import write_json
+    from dpadapter.job import write_json
 
     write_json(path, payload)
 
@@ -58,7 +58,7 @@ def log_to_parent(cfg: Config, parent_run_id: str | None, metrics: dict[str, flo
 def plan(cfg: Config, upstream: str, task: str, algo: str, seed: int, out: Path) -> dict:
     """Every privacy parameter of the HPO, fixed from the config and the seed alone."""
     from dpadapter import tracking
-    from dpadapter.stages.finetune import run_spec
+    from dpadapter.train.dp_spec import run_spec
 
     h = cfg.hpo
     space, mech = space_of(cfg), selection_of(cfg)

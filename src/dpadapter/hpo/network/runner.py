@@ -75,7 +75,7 @@ def step_spec(
     cfg: Config, algo: str, target_epsilon: float, n_train: int, steps: int
 ) -> StepBudgetSpec:
     """The fine-tuning spec (batch size, clipping, accountant, algo params) for `steps` steps."""
-    from dpadapter.stages.finetune import run_spec
+    from dpadapter.train.dp_spec import run_spec
 
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
@@ -137,10 +137,11 @@ def train_config(
     sigma is calibrated for `calibrated_steps` (default: `config.steps`) at `target_epsilon`;
     taking fewer steps than calibrated runs a prefix of that schedule.
     """
+    from dpadapter.data import public_train
+    from dpadapter.job import seed_everything
     from dpadapter.models import replace_head
-    from dpadapter.stages.finetune import dp_train
-    from dpadapter.stages.job import seed_everything
     from dpadapter.train.checkpoint import load_model
+    from dpadapter.train.dp_fit import FitSettings, dp_fit
 
     calibrated_steps = calibrated_steps or config.steps
     if config.steps > calibrated_steps:
@@ -149,10 +150,18 @@ def train_config(
     model, meta = load_model(ckpt)
     replace_head(model, num_classes, seed)
     spec = step_spec(cfg, algo, target_epsilon, len(train), calibrated_steps)
-    run_cfg = dataclasses.replace(cfg, finetune=dataclasses.replace(cfg.finetune, lr=config.lr))
+    settings = FitSettings.from_config(cfg, lr=config.lr)
     schedule = strategy_of(cfg).schedule(calibrated_steps, cfg.finetune.ut_t1_fraction)
-    inst, ledger = dp_train(
-        model, train, algo, spec, run_cfg, seed, max_steps=config.steps, schedule=schedule
+    inst, ledger = dp_fit(
+        model,
+        train,
+        algo,
+        spec,
+        settings,
+        seed,
+        public=public_train(cfg),
+        max_steps=config.steps,
+        schedule=schedule,
     )
     if ledger.steps != config.steps:
         raise RuntimeError(f"run made {ledger.steps} releases, expected {config.steps}")

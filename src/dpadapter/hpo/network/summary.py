@@ -14,8 +14,7 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
-from dpadapter.stages.aggregate import write_csv
-from dpadapter.tables import Stat, cell, flagged_cells, how_to_read
+from dpadapter.tables import Stat, cell, flagged_cells, how_to_read, write_csv
 
 COLUMNS = [
     "method",

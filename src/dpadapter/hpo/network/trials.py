@@ -22,7 +22,7 @@ from dpadapter.hpo.space import step_dict, step_from
 
 def trial(cfg: Config, plan_path: Path, sweep: int, index: int, ckpt: Path, out_dir: Path) -> dict:
     """One trial; only the training and validation splits are loaded."""
-    from dpadapter.stages.job import training_job
+    from dpadapter.job import training_job
 
     p = load_plan(cfg, plan_path)
     t = p["sweeps"][sweep]["trials"][index]

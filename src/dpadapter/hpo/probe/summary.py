@@ -190,7 +190,7 @@ def markdown(result: dict[str, Any]) -> str:
 
 
 def run(oracle_paths: list[Path], seed_paths: list[Path], csv_path: Path, md: Path, js: Path):
-    from dpadapter.stages.aggregate import write_csv
+    from dpadapter.tables import write_csv
 
     def key(p: Path) -> tuple[str, str]:
         # .../hpo-probe/{upstream}/{task}/<file>

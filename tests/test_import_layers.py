@@ -1,0 +1,196 @@
+"""The import graph of src/dpadapter: layers point down, stages are never imported back, no cycle.
+
+Read from the source (every `import`, including those inside functions: a lazy import is still
+a dependency), so the test needs no torch and sees what a reader sees. The layers, low to high:
+
+0. foundation: config, schemas, device, tracking, the job harness, tables, plots
+1. privacy (accounting, calibration, ledger), models, data, strategies
+2. per-sample gradients and clipping (`train.per_sample`)
+3. algorithms (one DP method per file)
+4. the DP and non-private training loops (`train`)
+5. upstream methods, federated, HPO, audit (experiments built on the loops)
+6. entry points: `stages`, `cli`, each package's `cli`, and `validation` (checks configs
+   against every registry)
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+LAYERS: dict[str, int] = {
+    "dpadapter": 0,
+    "dpadapter.compat": 0,
+    "dpadapter.config": 0,
+    "dpadapter.param_schema": 0,
+    "dpadapter.device": 0,
+    "dpadapter.stats": 0,
+    "dpadapter.tables": 0,
+    "dpadapter.identity": 0,
+    "dpadapter.tracking": 0,
+    "dpadapter.job": 0,
+    "dpadapter.plots": 0,
+    "dpadapter.dvc_sync": 0,
+    "dpadapter.privacy": 1,
+    "dpadapter.models": 1,
+    "dpadapter.data": 1,
+    "dpadapter.strategies": 1,
+    "dpadapter.train.per_sample": 2,
+    "dpadapter.algorithms": 3,
+    "dpadapter.train": 4,
+    "dpadapter.upstream": 5,
+    "dpadapter.federated": 5,
+    "dpadapter.hpo": 5,
+    "dpadapter.audit": 5,
+    "dpadapter.stages": 6,
+    "dpadapter.cli": 6,
+    "dpadapter.__main__": 6,
+    "dpadapter.validation": 6,
+}
+ENTRY = 6
+
+
+def modules(src: Path = SRC) -> dict[str, Path]:
+    out = {}
+    for f in sorted(src.rglob("*.py")):
+        parts = list(f.relative_to(src).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = f
+    return out
+
+
+def import_graph(mods: dict[str, Path]) -> dict[str, set[str]]:
+    """module -> the dpadapter modules it imports (a name imported from a package that is a
+    module of its own counts as that module)."""
+    graph: dict[str, set[str]] = {m: set() for m in mods}
+    for m, f in mods.items():
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                if node.module.split(".")[0] != "dpadapter":
+                    continue
+                for alias in node.names:
+                    sub = f"{node.module}.{alias.name}"
+                    graph[m].add(sub if sub in mods else node.module)
+            elif isinstance(node, ast.Import):
+                graph[m] |= {a.name for a in node.names if a.name.split(".")[0] == "dpadapter"}
+    return graph
+
+
+def layer(module: str) -> int:
+    """The layer of the longest registered prefix; a package's `cli` is an entry point."""
+    if module.endswith(".cli"):
+        return ENTRY
+    parts = module.split(".")
+    for k in range(len(parts), 1, -1):  # the root package's own layer is not a default
+        prefix = ".".join(parts[:k])
+        if prefix in LAYERS:
+            return LAYERS[prefix]
+    if module == "dpadapter":
+        return LAYERS[module]
+    raise KeyError(f"{module} is in no layer: add its package to LAYERS in {__file__}")
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    return sorted(
+        f"{m} (layer {layer(m)}) imports {t} (layer {layer(t)})"
+        for m, ts in graph.items()
+        for t in ts
+        if layer(t) > layer(m)
+    )
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan), plus self-imports."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    found: list[list[str]] = []
+    counter = [0]
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1 or v in graph.get(v, ()):
+                found.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+GRAPH = import_graph(modules())
+
+
+def test_every_module_has_a_layer():
+    for m in GRAPH:
+        layer(m)
+
+
+def test_imports_point_down_the_layers():
+    assert upward_imports(GRAPH) == []
+
+
+def test_the_library_never_imports_a_stage_or_an_entry_point():
+    back = sorted(
+        f"{m} imports {t}"
+        for m, ts in GRAPH.items()
+        if layer(m) < ENTRY
+        for t in ts
+        if layer(t) == ENTRY
+    )
+    assert back == []
+
+
+def test_privacy_imports_no_training_code():
+    """privacy/ is accounting, calibration and the ledger: it may use the foundation only."""
+    bad = sorted(
+        f"{m} imports {t}"
+        for m, ts in GRAPH.items()
+        if m.startswith("dpadapter.privacy")
+        for t in ts
+        if not t.startswith("dpadapter.privacy") and layer(t) > 0
+    )
+    assert bad == []
+
+
+def test_no_import_cycle():
+    assert cycles(GRAPH) == []
+
+
+@pytest.mark.parametrize(
+    "planted, check",
+    [
+        ({"dpadapter.privacy.accounting": {"dpadapter.train.dp_fit"}}, upward_imports),
+        ({"dpadapter.train.dp_fit": {"dpadapter.stages.finetune"}}, upward_imports),
+        ({"dpadapter.data.tasks": {"dpadapter.models.factory"},
+          "dpadapter.models.factory": {"dpadapter.data.tasks"}}, cycles),
+    ],
+)  # fmt: skip
+def test_the_checks_find_a_planted_violation(planted, check):
+    graph = {m: set(ts) for m, ts in GRAPH.items()}
+    for m, ts in planted.items():
+        graph[m] |= ts
+    assert check(graph)
