@@ -515,6 +515,10 @@ def _data(raw: dict[str, Any]) -> DataConfig:
     return DataConfig(**d, normalization=norm)
 
 
+# `pretrain.methods` when a config names none.
+DEFAULT_METHODS = ("scratch", "standard")
+
+
 def from_dict(raw: dict[str, Any], validate: bool = True) -> Config:
     if validate:
         validate_raw(raw)
@@ -533,7 +537,7 @@ def from_dict(raw: dict[str, Any], validate: bool = True) -> Config:
         tasks={name: _split(t) for name, t in raw["tasks"].items()},
         model=ModelConfig(**raw.get("model", {})),
         warmup=SGDConfig(**_tuplify(raw.get("warmup", {}), ("milestones",))),
-        upstreams=tuple(pre.get("methods", ("scratch", "standard"))),
+        upstreams=tuple(pre.get("methods", DEFAULT_METHODS)),
         upstream_params={k: dict(v) for k, v in pre.get("params", {}).items()},
         finetune=FinetuneConfig(**ft),
         privacy=PrivacyConfig(**raw.get("privacy", {})),
