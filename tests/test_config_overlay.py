@@ -132,6 +132,25 @@ def test_problems_point_at_the_overlay_or_the_base_whichever_wrote_the_key(in_tm
     assert f"  config.yaml:{noise}: robustness.noise_sd: unknown key" in msg, msg
 
 
+def test_a_base_key_inside_a_section_the_overlay_also_writes_is_pointed_at_the_base(in_tmp):
+    base = DEFAULT_TEXT.replace("  epochs: 6\n", '  epochs: "6"\n', 1)
+    _overlay(in_tmp, base, "base: ../config.yaml\nfinetune:\n  lr: 0.25\n")
+    with pytest.raises(ConfigError) as info:
+        load("configs/top.yaml")
+    line = _line_of(base, '  epochs: "6"', _line_of(base, "finetune:"))
+    assert f"  config.yaml:{line}: finetune.epochs: '6' is not of type" in str(info.value)
+
+
+def test_a_json_overlay_is_merged_and_pointed_at_too(in_tmp):
+    (in_tmp / "config.yaml").write_text(DEFAULT_TEXT)
+    (in_tmp / "top.json").write_text(
+        '{\n "base": "config.yaml",\n "finetune": {\n  "epochs": "six"\n }\n}\n'
+    )
+    with pytest.raises(ConfigError) as info:
+        load("top.json")
+    assert "  top.json:4: finetune.epochs: 'six' is not of type 'integer'" in str(info.value)
+
+
 def test_a_cross_field_problem_points_at_the_base_key_the_overlay_left_alone(in_tmp):
     """The overlay changes the tasks; the base's federated.task no longer names one."""
     top = "base: ../config.yaml\nunset: [tasks.fmnist-shift]\nsweeps: {tasks: [fmnist-same]}\n"

@@ -830,7 +830,9 @@ def key_origins(path: str | Path) -> dict[str, tuple[str, int]]:
     merged: dict[str, Any] = {}
     for p in config_chain(path):
         name = shown_path(p)
-        lines = key_lines(p) if p.suffix != ".json" else {}
+        lines: dict[str, int] = {}
+        with contextlib.suppress(yaml.YAMLError):  # e.g. JSON indented with tabs
+            lines = key_lines(p)
         layer = _read_one(p)
         layer.pop(BASE_KEY, None)
         unset = layer.pop(UNSET_KEY, None)
