@@ -6,8 +6,9 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 CORES ?= 2
 CONFIG ?= config.yaml
-# The results folder of $(CONFIG) (its `results_dir`), for the summaries printed below.
-RESULTS = $$($(BIN)/python -c "import sys, yaml; print(yaml.safe_load(open(sys.argv[1])).get('results_dir', 'results'))" $(CONFIG))
+# The results folder of $(CONFIG) (its `results_dir`, from its `base:` when it names none), for
+# the summaries printed below.
+RESULTS = $$($(BIN)/python -c "import sys; from dpadapter.config import read_raw; print(read_raw(sys.argv[1]).get('results_dir', 'results'))" $(CONFIG))
 
 .PHONY: run report sweeps hpo federated audit validity test test-cluster lint bench setup data browser clean-results mlflow
 

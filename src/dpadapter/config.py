@@ -12,9 +12,11 @@ the registries (names, per-method params schemas, dataset sizes, privacy sanity)
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import functools
 import json
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -513,6 +515,10 @@ def _data(raw: dict[str, Any]) -> DataConfig:
     return DataConfig(**d, normalization=norm)
 
 
+# `pretrain.methods` when a config names none.
+DEFAULT_METHODS = ("scratch", "standard")
+
+
 def from_dict(raw: dict[str, Any], validate: bool = True) -> Config:
     if validate:
         validate_raw(raw)
@@ -531,7 +537,7 @@ def from_dict(raw: dict[str, Any], validate: bool = True) -> Config:
         tasks={name: _split(t) for name, t in raw["tasks"].items()},
         model=ModelConfig(**raw.get("model", {})),
         warmup=SGDConfig(**_tuplify(raw.get("warmup", {}), ("milestones",))),
-        upstreams=tuple(pre.get("methods", ("scratch", "standard"))),
+        upstreams=tuple(pre.get("methods", DEFAULT_METHODS)),
         upstream_params={k: dict(v) for k, v in pre.get("params", {}).items()},
         finetune=FinetuneConfig(**ft),
         privacy=PrivacyConfig(**raw.get("privacy", {})),
@@ -554,7 +560,7 @@ def from_dict(raw: dict[str, Any], validate: bool = True) -> Config:
 
 def shown_path(path: str | Path) -> str:
     """`path` as a person typed it: relative to the working directory when it lies below it."""
-    p = Path(path).absolute()
+    p = Path(os.path.normpath(Path(path).absolute()))  # configs/../config.yaml: config.yaml
     try:
         return str(p.relative_to(Path.cwd()))
     except ValueError:
@@ -618,14 +624,17 @@ def locate(
 ) -> ConfigError:
     """`exc` with each problem line prefixed by where its key is written: `file:line: key: ...`.
 
-    `files` are merged in order (a later file wins), so a key is pointed at the last file that
-    writes the deepest part of its path; a key no file writes (a default the check refers to)
-    at its nearest enclosing section. Keys set by `overrides` (Snakemake's `--config`) say so.
+    `files` are merged in order (a later file wins), each with its chain of `base:` files
+    (`key_origins`: the file of the chain the merged value comes from), so a key is pointed at
+    the last file that writes the deepest part of its path; a key no file writes (a default the
+    check refers to) at its nearest enclosing section. Keys set by `overrides` (Snakemake's
+    `--config`) say so.
     """
     maps = []
     for f in files:
-        with contextlib.suppress(OSError, yaml.YAMLError):  # e.g. JSON indented with tabs
-            maps.append((shown_path(f), key_lines(f)))
+        # e.g. JSON indented with tabs; a broken chain was refused when it was read
+        with contextlib.suppress(OSError, yaml.YAMLError, ConfigError):
+            maps.append((shown_path(f), key_origins(f)))
 
     def where(match: re.Match) -> str:
         key = match.group(1)
@@ -633,12 +642,12 @@ def locate(
             return f"  --config: {key}: "
         parts = key.split(".")
         best: tuple[int, str, int] | None = None
-        for name, lines in maps:
+        for _, origins in maps:
             for depth in range(len(parts), 0, -1):
-                line = lines.get(".".join(parts[:depth]))
-                if line is not None:
+                origin = origins.get(".".join(parts[:depth]))
+                if origin is not None:
                     if best is None or depth >= best[0]:
-                        best = (depth, name, line)
+                        best = (depth, *origin)
                     break
         if best is None:
             return f"  {maps[-1][0]}: {key}: " if maps else match.group(0)
@@ -657,12 +666,8 @@ def _unique(path: Path, pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def read_raw(path: str | Path, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The config file as a plain mapping (not validated), with top-level `overrides` applied.
-
-    A key written twice in the file is refused (`key_lines`).
-    """
-    p = Path(path)
+def _read_one(p: Path) -> dict[str, Any]:
+    """One file as a plain mapping, `base:` and `unset:` still in it; duplicates refused."""
     if not p.is_file():
         raise ConfigError(f"config file not found: {p}")
     try:
@@ -676,9 +681,202 @@ def read_raw(path: str | Path, overrides: dict[str, Any] | None = None) -> dict[
         raise ConfigError(f"{p}: not valid YAML: {exc}") from exc
     if not isinstance(raw, dict):
         raise ConfigError(f"{p}: the config must be a mapping of sections")
+    return raw
+
+
+# Top-level keys of an overlay file, consumed while merging (the schema never sees them).
+BASE_KEY = "base"
+UNSET_KEY = "unset"
+
+
+def _line(p: Path, key: str) -> str:
+    """`file:line` of `key` in `p` (just `file` where the line cannot be had, e.g. JSON)."""
+    with contextlib.suppress(OSError, yaml.YAMLError, ConfigError):
+        line = key_lines(p).get(key)
+        if line is not None:
+            return f"{shown_path(p)}:{line}"
+    return shown_path(p)
+
+
+def config_chain(path: str | Path) -> list[Path]:
+    """The files `path` is made of, its furthest `base:` first and `path` itself last.
+
+    A base path is relative to the folder of the file that names it. A base that is missing,
+    not a string, or that leads back to a file already in the chain is refused, naming the file
+    and line of the `base:` key.
+    """
+    chain = [Path(path)]
+    seen = [Path(path).resolve()]
+    while True:
+        here = chain[0]
+        raw = _read_one(here)
+        base = raw.get(BASE_KEY)
+        if base is None:
+            return chain
+        where = _line(here, BASE_KEY)
+        if not isinstance(base, str) or not base.strip():
+            raise ConfigError(
+                f"invalid config:\n  {where}: base: must be the path of another config file "
+                f"(relative to {shown_path(here.parent)}/), not {base!r}"
+            )
+        target = here.parent / base
+        if not target.is_file():
+            raise ConfigError(
+                f"invalid config:\n  {where}: base: {base!r} not found "
+                f"(looked for {shown_path(target)})"
+            )
+        if target.resolve() in seen:
+            names = " -> ".join(shown_path(f) for f in [*reversed(chain), target])
+            raise ConfigError(f"invalid config:\n  {where}: base: cycle of config files: {names}")
+        chain.insert(0, target)
+        seen.append(target.resolve())
+
+
+def uses_base(path: str | Path) -> bool:
+    """Whether `path` is an overlay (has a top-level `base:` or `unset:`)."""
+    raw = _read_one(Path(path))
+    return BASE_KEY in raw or UNSET_KEY in raw
+
+
+def merge(base: dict[str, Any], overlay: dict[str, Any]) -> dict[str, Any]:
+    """`overlay` on top of `base`: mappings merge key by key, anything else replaces.
+
+    A list replaces the base's list whole, and a `null` is a value like any other (it sets the
+    key to null; removing a key is `unset:`). Neither argument is changed; key order is the
+    base's, with keys new in the overlay after it.
+    """
+    out = copy.deepcopy(base)
+    for key, value in overlay.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def _unset(raw: dict[str, Any], keys: Any, p: Path) -> dict[str, Any]:
+    """`raw` without the dotted `keys` (an overlay's `unset:` list), each of which must exist."""
+    where = _line(p, UNSET_KEY)
+    if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
+        raise ConfigError(
+            f"invalid config:\n  {where}: unset: must be a list of dotted keys of the base "
+            "(e.g. [pretrain.params.sam])"
+        )
+    out = copy.deepcopy(raw)
+    for key in keys:
+        *parents, last = key.split(".")
+        node: Any = out
+        for part in parents:
+            node = node.get(part) if isinstance(node, dict) else None
+        if not isinstance(node, dict) or last not in node:
+            raise ConfigError(
+                f"invalid config:\n  {where}: unset: {key!r} is not a key of the base config"
+            )
+        del node[last]
+    return out
+
+
+def read_chain(path: str | Path) -> dict[str, Any]:
+    """The merged content of `path` and its chain of bases, without `base:` and `unset:`."""
+    raw: dict[str, Any] = {}
+    for p in config_chain(path):
+        layer = _read_one(p)
+        layer.pop(BASE_KEY, None)
+        if UNSET_KEY in layer:
+            raw = _unset(raw, layer.pop(UNSET_KEY), p)
+        raw = merge(raw, layer)
+    return raw
+
+
+def read_raw(path: str | Path, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The config file as a plain mapping (not validated), with top-level `overrides` applied.
+
+    A file with `base:` is merged onto its base first (`read_chain`). A key written twice in
+    any file of the chain is refused (`key_lines`).
+    """
+    raw = read_chain(path)
     if overrides:
         raw = {**raw, **overrides}
     return raw
+
+
+def read_files(files: list[str | Path], overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """What Snakemake's `config` is for `--configfile files... --config overrides`, bases merged.
+
+    Snakemake merges its config files and `--config` recursively (mappings key by key), the
+    same rule as `merge`; it does not know `base:`, so the workflow rebuilds its `config` with
+    this when a file is an overlay (`workflow/rules/common.smk`).
+    """
+    raw: dict[str, Any] = {}
+    for f in files:
+        raw = merge(raw, read_chain(f))
+    return merge(raw, dict(overrides or {}))
+
+
+def _at(raw: Any, key: str) -> Any:
+    """The value at dotted `key` of nested mappings, None where there is none."""
+    for part in key.split("."):
+        raw = raw.get(part) if isinstance(raw, dict) else None
+    return raw
+
+
+def key_origins(path: str | Path) -> dict[str, tuple[str, int]]:
+    """(file, line) of every key of the merged config of `path`, by dotted path.
+
+    The same rule as `merge`: a key the overlay writes as a mapping onto a mapping keeps the
+    base's entries below it; anything else the overlay writes (a scalar, a list) drops them.
+    """
+    out: dict[str, tuple[str, int]] = {}
+    merged: dict[str, Any] = {}
+    for p in config_chain(path):
+        name = shown_path(p)
+        lines: dict[str, int] = {}
+        with contextlib.suppress(yaml.YAMLError):  # e.g. JSON indented with tabs
+            lines = key_lines(p)
+        layer = _read_one(p)
+        layer.pop(BASE_KEY, None)
+        unset = layer.pop(UNSET_KEY, None)
+        if unset is not None:
+            merged = _unset(merged, unset, p)
+            for key in unset:
+                out = {k: v for k, v in out.items() if k != key and not k.startswith(key + ".")}
+        replaced: list[str] = []
+        for key in sorted(lines, key=lambda k: k.count(".")):
+            if key.split(".")[0] in (BASE_KEY, UNSET_KEY):
+                continue
+            if not any(key.startswith(r + ".") for r in replaced) and not (
+                isinstance(_at(layer, key), dict) and isinstance(_at(merged, key), dict)
+            ):
+                out = {k: v for k, v in out.items() if not k.startswith(key + ".")}
+                replaced.append(key)
+            out[key] = (name, lines[key])
+        merged = merge(merged, layer)
+    return out
+
+
+MERGED_FILE = "config.merged.yaml"
+
+
+def write_merged(raw: dict[str, Any], results_dir: str | Path, files: list[str | Path]) -> Path:
+    """Write the effective config `raw` as `<results_dir>/config.merged.yaml` (atomically).
+
+    An overlay names only what differs from its base; this file is the whole config the run
+    used, after every `base:` and `--config`, so the results can be read (or rerun) without
+    the chain of files. Written when a real run starts, never in a dry run.
+    """
+    out = Path(results_dir) / MERGED_FILE
+    out.parent.mkdir(parents=True, exist_ok=True)
+    plain = json.loads(json.dumps(raw, default=str))  # Snakemake's JSON loader: OrderedDicts
+    sources = ", ".join(shown_path(f) for f in files) or "(none)"
+    text = (
+        f"# The effective config of {shown_path(results_dir)}/: {sources} with every base: "
+        "merged in\n# and --config applied. Written by the workflow when a run starts; "
+        "do not edit.\n" + yaml.safe_dump(plain, sort_keys=False, allow_unicode=True)
+    )
+    tmp = out.with_suffix(".yaml.tmp")
+    tmp.write_text(text)
+    tmp.replace(out)
+    return out
 
 
 def load(path: str | Path, overrides: dict[str, Any] | None = None) -> Config:

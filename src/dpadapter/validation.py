@@ -23,6 +23,7 @@ from dpadapter.config import (
     ConfigError,
     SplitConfig,
     base_schema,
+    config_chain,
     key_lines,
     locate,
     read_raw,
@@ -111,13 +112,16 @@ def validate_files(
 ) -> Config:
     """`validate` for `raw` merged from `files` (and `overrides`), the problems pointed at lines.
 
-    Each file is read again for its key lines: whoever loaded `raw` (Snakemake's `--configfile`
-    loader, PyYAML) kept the later of two equal keys silently, so a duplicate is refused here,
-    naming both lines; every other problem gets `file:line:` of the key it names.
+    Each file (and each `base:` it builds on) is read again for its key lines: whoever loaded
+    `raw` (Snakemake's `--configfile` loader, PyYAML) kept the later of two equal keys silently,
+    so a duplicate is refused here, naming both lines; every other problem gets `file:line:` of
+    the key it names.
     """
     for f in files:
-        if Path(f).is_file() and Path(f).suffix != ".json":
-            key_lines(f)
+        if Path(f).is_file():
+            for part in config_chain(f):  # an overlay's bases too
+                if part.suffix != ".json":
+                    key_lines(part)
     try:
         return validate(raw, check_files=check_files)
     except ConfigError as exc:

@@ -10,6 +10,7 @@ from pathlib import Path
 from snakemake.exceptions import WorkflowError
 from snakemake.settings.types import DeploymentMethod
 
+from dpadapter import config as _config
 from dpadapter import dvc_sync as _dvc_sync
 from dpadapter import identity as _identity
 from dpadapter import tracking as _tracking
@@ -25,9 +26,18 @@ logging.root.handlers.clear()
 # user's files (--configfile, else the configfile directive) are read again for duplicate keys
 # and the line of each problem. SystemExit prints the message once, as it is: a WorkflowError
 # would be reported as an error of this file, with its line and a traceback.
+# A config file with `base: <file>` is an overlay (dpadapter.config.read_chain, docs/pipeline.md):
+# Snakemake loaded only the overlay, so `config` is rebuilt from the merged chain (and --config
+# on top) before anything reads it; rules see the merged dict. A plain file leaves `config`
+# exactly as Snakemake loaded it.
+_OVERRIDES = dict(workflow.config_settings.config)
 try:
+    if any(_config.uses_base(f) for f in workflow.configfiles):
+        _merged = _config.read_files(workflow.configfiles, _OVERRIDES)
+        config.clear()
+        config.update(_merged)
     CFG = _validation.validate_files(
-        config, workflow.configfiles, dict(workflow.config_settings.config), check_files=True
+        config, workflow.configfiles, _OVERRIDES, check_files=True
     )
 except _validation.ConfigError as exc:
     raise SystemExit(str(exc)) from None
@@ -162,6 +172,8 @@ wildcard_constraints:
 
 onstart:
     _identity.before_run(CFG)
+    # The effective config (bases merged, --config applied) beside the results it produced.
+    _config.write_merged(config, RESULTS, workflow.configfiles)
     # `tracking.enabled: true` without a working MLflow stops here, before any job.
     _tracking.check(CFG)
 
