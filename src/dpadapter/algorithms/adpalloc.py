@@ -14,8 +14,9 @@ from typing import Any
 
 from dpadapter.algorithms.base import DPAlgorithm, register_algorithm
 from dpadapter.param_schema import NON_NEGATIVE, params_object
-from dpadapter.privacy import Segment, epsilon_from_history
-from dpadapter.privacy import accounting as _acc
+from dpadapter.privacy import Search, Segment, epsilon_from_history, smallest_sigma
+from dpadapter.privacy.accounting import EPS_ERROR
+from dpadapter.privacy.calibration import cached
 
 REL_TOL = 1e-3  # stop when the bracket on sigma_0 is this narrow (relative) ...
 EPS_TOL = 0.005  # ... or the feasible end spends within this of the target (Opacus' default)
@@ -54,40 +55,21 @@ def calibrate_decay(
     whose planned history was evaluated as spending at most the target.
     """
 
-    def gap(s0: float) -> float:
+    def epsilon(s0: float) -> float:
         hist = planned_history(s0, decay, q, steps_per_epoch, epochs)
-        return math.log(epsilon_from_history(hist, delta, accountant)) - math.log(target_epsilon)
+        return epsilon_from_history(hist, delta, accountant)
 
-    lo, hi = constant_sigma, constant_sigma * math.exp(decay * max(0, epochs - 1))
-    g_lo = gap(lo)
-    if g_lo <= 0:
-        return lo
-    g_hi = gap(hi)
-    while g_hi > 0:  # numerical slack of the accountant; the bracket argument says this is rare
-        lo, g_lo = hi, g_hi
-        hi *= 1.1
-        g_hi = gap(hi)
-    w_lo, w_hi = g_lo, g_hi  # interpolation weights (Illinois halves them); g_hi stays true
-    side = 0
-    for _ in range(100):
-        if hi / lo <= 1 + REL_TOL or -g_hi <= math.log1p(EPS_TOL / target_epsilon):
-            break
-        x_lo, x_hi = math.log(lo), math.log(hi)
-        x = x_hi - w_hi * (x_hi - x_lo) / (w_hi - w_lo)
-        x = min(max(x, x_lo + 1e-4 * (x_hi - x_lo)), x_hi - 1e-4 * (x_hi - x_lo))
-        mid = math.exp(x)
-        g = gap(mid)
-        if g <= 0:
-            hi, g_hi, w_hi = mid, g, g
-            if side == -1:
-                w_lo /= 2
-            side = -1
-        else:
-            lo, w_lo = mid, g
-            if side == 1:
-                w_hi /= 2
-            side = 1
-    return hi
+    search = Search(
+        start=constant_sigma * math.exp(decay * max(0, epochs - 1)),
+        grow=1.1,  # numerical slack of the accountant; the bracket argument says this is rare
+        low=constant_sigma,
+        low_follows=True,
+        try_low=True,
+        midpoint="illinois",
+        rel_width=REL_TOL,
+        log_tol=math.log1p(EPS_TOL / target_epsilon),
+    )
+    return smallest_sigma(epsilon, target_epsilon, search)
 
 
 @register_algorithm("adpalloc")
@@ -118,12 +100,12 @@ class AdpAlloc(DPAlgorithm):
                 s.epochs,
                 k,
                 s.accountant,
-                _acc.EPS_ERROR,
+                EPS_ERROR,
                 REL_TOL,
             ]
         )
         # the constant-sigma calibration of the base class brackets sigma_0 from below
-        return _acc.cached(
+        return cached(
             s.calibration_cache,
             key,
             lambda: calibrate_decay(

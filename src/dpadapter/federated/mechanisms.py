@@ -31,8 +31,15 @@ import torch
 from opacus.optimizers import DPOptimizer
 from opacus.optimizers.optimizer import _check_processed_flag, _mark_as_processed
 
-from dpadapter.privacy import PrivacyLedger, Segment, calibrate_sigma, epsilon_from_history
-from dpadapter.privacy.accounting import cached
+from dpadapter.privacy import (
+    PrivacyLedger,
+    Search,
+    Segment,
+    calibrate_sigma,
+    epsilon_from_history,
+    smallest_sigma,
+)
+from dpadapter.privacy.calibration import cached
 from dpadapter.train.per_sample.clip import clip_factors
 
 GAUSSIAN, LAPLACE = "gaussian", "laplace"
@@ -212,10 +219,5 @@ def _joint_sigma(
         raise ValueError("the estimation release alone spends the whole budget")
     # The estimate is one release among many, so the joint sigma is barely above `base`:
     # bracket it from there in small steps (each accountant call costs ~0.5 s with PRV).
-    lo, hi = base, base * 1.01
-    while eps(hi) > target_epsilon:
-        lo, hi = hi, hi * 1.05
-    while hi - lo > 0.005 * hi:
-        mid = 0.5 * (lo + hi)
-        lo, hi = (mid, hi) if eps(mid) > target_epsilon else (lo, mid)
-    return hi
+    search = Search(start=base * 1.01, grow=1.05, low=base, low_follows=True, rel_width=0.005)
+    return smallest_sigma(eps, target_epsilon, search)

@@ -1,19 +1,27 @@
+"""Privacy accounting, noise calibration and the ledger of releases; no training code."""
+
 from dpadapter.privacy.accounting import (
-    CalibrationError,
     PrivacyLedger,
     Segment,
-    calibrate_sigma,
     epsilon_from_history,
-    max_reachable_epsilon,
     pld_epsilon,
+)
+from dpadapter.privacy.calibration import (
+    CalibrationError,
+    Search,
+    calibrate_sigma,
+    max_reachable_epsilon,
+    smallest_sigma,
 )
 
 __all__ = [
     "CalibrationError",
     "PrivacyLedger",
+    "Search",
     "Segment",
     "calibrate_sigma",
     "epsilon_from_history",
     "max_reachable_epsilon",
     "pld_epsilon",
+    "smallest_sigma",
 ]

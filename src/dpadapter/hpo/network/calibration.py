@@ -12,9 +12,11 @@ import math
 from collections.abc import Callable
 
 from dpadapter.hpo.accounting import Composition, compose, epsilon_of, history_pld
-from dpadapter.privacy import Segment
+from dpadapter.privacy import CalibrationError, Search, Segment, smallest_sigma
 
 COARSE = 1e-3  # for the starting guess of the final budget only; never for a reported epsilon
+# The guess's sigma: powers of two (down to 1e-3), then a geometric bisection to 0.5 %.
+GUESS = Search(start=1.0, cap=1e6, shrink_to=1e-3, midpoint="geometric", ratio=1.005)
 
 
 class BudgetError(ValueError):
@@ -45,20 +47,10 @@ def final_epsilon_guess(
         final = history_pld([Segment(sigma, sample_rate, steps)], COARSE)
         return epsilon_of(compose([base, final]), delta)
 
-    hi = 1.0
-    while total(hi) > target:
-        hi *= 2
-        if hi > 1e6:
-            raise BudgetError(f"no noise level keeps the total within {target}")
-    lo = hi / 2
-    while total(lo) <= target and lo > 1e-3:
-        hi, lo = lo, lo / 2
-    while hi / lo > 1.005:  # total(lo) > target >= total(hi)
-        mid = math.sqrt(lo * hi)
-        if total(mid) <= target:
-            hi = mid
-        else:
-            lo = mid
+    try:
+        hi = smallest_sigma(total, target, GUESS)
+    except CalibrationError as exc:
+        raise BudgetError(f"no noise level keeps the total within {target}") from exc
     return epsilon_from_history([Segment(hi, sample_rate, steps)], delta, accountant)
 
 

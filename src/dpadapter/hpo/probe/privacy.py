@@ -10,11 +10,16 @@ per budget, as a single release, whatever its T. This is what the accountant ass
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
 from dpadapter.hpo.accounting import Composition, compose, epsilon_of, history_pld
-from dpadapter.privacy import Segment
+from dpadapter.privacy import Search, Segment, smallest_sigma
+
+# sigma of one full-batch release: bracket by powers of two (down to 1e-4), then a geometric
+# bisection to 0.1 %
+SINGLE_RELEASE = Search(start=1.0, cap=1e8, shrink_to=1e-4, midpoint="geometric", ratio=1.001)
 
 VERSION = 1  # of the oracle's and the replicates' JSON
 ACCOUNTING = (
@@ -32,21 +37,7 @@ def single_release_sigma(epsilon: float, delta: float) -> float:
 
     A T-step full-batch run then uses sigma * sqrt(T): the same PLD, so the same epsilon.
     """
-    hi = 1.0
-    while _eps_single(hi, delta) > epsilon:
-        hi *= 2
-        if hi > 1e8:
-            raise ValueError(f"no noise level reaches epsilon {epsilon}")
-    lo = hi / 2
-    while _eps_single(lo, delta) <= epsilon and lo > 1e-4:
-        hi, lo = lo, lo / 2
-    while hi / lo > 1.001:
-        mid = math.sqrt(lo * hi)
-        if _eps_single(mid, delta) <= epsilon:
-            hi = mid
-        else:
-            lo = mid
-    return hi
+    return smallest_sigma(lambda s: _eps_single(s, delta), epsilon, SINGLE_RELEASE)
 
 
 def _eps_single(sigma: float, delta: float) -> float:
@@ -70,16 +61,4 @@ def final_sigma(spent: Composition, delta: float, target: float) -> float:
     def total(s: float) -> float:
         return epsilon_of(compose([base, history_pld([Segment(s, 1.0, 1)])]), delta)
 
-    hi = 1.0
-    while total(hi) > target:
-        hi *= 2
-    lo = hi / 2
-    while total(lo) <= target and lo > 1e-4:
-        hi, lo = lo, lo / 2
-    while hi / lo > 1.001:
-        mid = math.sqrt(lo * hi)
-        if total(mid) <= target:
-            hi = mid
-        else:
-            lo = mid
-    return hi
+    return smallest_sigma(total, target, dataclasses.replace(SINGLE_RELEASE, cap=None))
