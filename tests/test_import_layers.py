@@ -3,7 +3,8 @@
 Read from the source (every `import`, including those inside functions: a lazy import is still
 a dependency), so the test needs no torch and sees what a reader sees. The layers, low to high:
 
-0. foundation: config, schemas, device, tracking, the job harness, tables, plots
+0. foundation: config, schemas, device, tracking, the job harness, tables, plots, the rules'
+   rerun fingerprints
 1. privacy (accounting, calibration, ledger), models, data, strategies
 2. per-sample gradients and clipping (`train.per_sample`)
 3. algorithms (one DP method per file)
@@ -35,6 +36,7 @@ LAYERS: dict[str, int] = {
     "dpadapter.job": 0,
     "dpadapter.plots": 0,
     "dpadapter.dvc_sync": 0,
+    "dpadapter.fingerprint": 0,
     "dpadapter.privacy": 1,
     "dpadapter.models": 1,
     "dpadapter.data": 1,

@@ -6,19 +6,6 @@
 from dpadapter.audit.stage import audit_jobs as _audit_jobs
 
 AUDIT_RECORDS = [f"{RESULTS}/audit/{a}/eps{e:g}/audit.json" for a, e in _audit_jobs(CFG)]
-# What an audit job depends on besides its wildcards: data, tasks, privacy, the fine-tune
-# training settings it reuses, the federated section (federated-* jobs) and the audit section
-# without its grid lists.
-AUDIT_FP = fingerprint("data", "tasks", "privacy", "public", "federated") + json.dumps(
-    [
-        {k: v for k, v in config.get("finetune", {}).items() if k in
-         {"batch_size", "epochs", "lr", "momentum", "max_grad_norm", "grad_sample_mode",
-          "physical_batch_size"}},
-        {k: v for k, v in config.get("audit", {}).items() if k not in {"algorithms", "epsilons"}},
-    ],
-    sort_keys=True,
-    default=str,
-)
 
 
 rule audit_run:
@@ -26,8 +13,7 @@ rule audit_run:
     output:
         record=f"{RESULTS}/audit/{{algo}}/eps{{eps}}/audit.json",
     params:
-        fp=lambda wc: AUDIT_FP
-        + json.dumps(config.get("finetune", {}).get("algo_params", {}).get(wc.algo, {}), sort_keys=True),
+        fp=lambda wc: stage_fingerprint(config, "audit", wc),
         python=python_exe,
         config=config_file,
         out=lambda wc, output: str(Path(output.record).parent),

@@ -15,6 +15,7 @@ from dpadapter import dvc_sync as _dvc_sync
 from dpadapter import identity as _identity
 from dpadapter import tracking as _tracking
 from dpadapter import validation as _validation
+from dpadapter.fingerprint import stage_fingerprint
 from dpadapter.upstream import UPSTREAMS as _UPSTREAM_REGISTRY
 from dpadapter.upstream.variants import VARIANT_RE, parse_variant
 
@@ -92,12 +93,6 @@ def _write_config_file():
     os.replace(tmp, path)
 
 
-def fingerprint(*keys):
-    """Hash of the config sections a rule depends on; a params change makes Snakemake rerun it."""
-    sub = {k: config.get(k) for k in keys}
-    return hashlib.sha256(json.dumps(sub, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
 # Plumbing every shell command needs, passed as params (the linter wants no globals in shell
 # commands). They are functions of `input`, which keeps them out of Snakemake's params rerun
 # trigger: the interpreter path differs between machines and the content-addressed config file
@@ -119,18 +114,8 @@ def out_dir(wildcards, output):
     return str(Path(output[0]).parent)
 
 
-# Fingerprints and inputs of the rules, kept here (the linter wants no functions in rule files).
-
-
-def pretrain_fingerprint(wildcards):
-    """Config a method depends on: shared sections, its own params and those of a matched method."""
-    params = config.get("pretrain", {}).get("params", {})
-    base = parse_variant(wildcards.upstream)[0]
-    own = params.get(base, {})
-    matched = params.get(own.get("match", "dpadapter"), {}) if base == "control" else {}
-    return fingerprint("data", "public", "model", "seed", "robustness") + json.dumps(
-        [own, matched], sort_keys=True
-    )
+# Inputs of the rules, kept here (the linter wants no functions in rule files). Their `fp`
+# params, the rerun triggers, come from dpadapter.fingerprint.stage_fingerprint.
 
 
 def pretrain_inputs(wildcards):
@@ -147,19 +132,6 @@ def pretrain_inputs(wildcards):
     if _UPSTREAM_REGISTRY[parse_variant(wildcards.upstream)[0]].needs_warmup:
         return {"warmup": f"{RESULTS}/warmup/model.pt"}
     return {}
-
-
-_GRID_KEYS = {"algorithms", "epsilons", "seeds", "extra_grids", "algo_params"}
-
-
-def finetune_fingerprint(wildcards):
-    """Settings one job depends on; the grid's extent (more seeds, another algorithm) is not one."""
-    ft = {k: v for k, v in config.get("finetune", {}).items() if k not in _GRID_KEYS}
-    algo = config.get("finetune", {}).get("algo_params", {}).get(wildcards.algo, {})
-    task = config["tasks"][wildcards.task]
-    return fingerprint("data", "privacy", "robustness", "public") + json.dumps(
-        [ft, algo, task], sort_keys=True
-    )
 
 
 wildcard_constraints:

@@ -6,19 +6,6 @@ FED_METRICS = [
     f"{RESULTS}/federated/{u}/{s}/{m}/eps{e:g}/T{t}/seed{seed}/metrics.json"
     for u, s, m, e, t, seed in CFG.federated.jobs(CFG.upstreams)
 ]
-# What a federated job depends on besides its wildcards and checkpoint: the federated section
-# without its grid lists (adding an epsilon or a seed re-runs nothing), data, tasks, privacy.
-_FED_GRID = {"upstreams", "strategies", "mechanisms", "seeds", "rounds_sweep", "sweep_epsilons",
-             "sweep_seeds"}
-FED_FP = fingerprint("data", "tasks", "privacy") + json.dumps(
-    {
-        k: ({kk: vv for kk, vv in v.items() if kk != "epsilons"} if isinstance(v, dict) else v)
-        for k, v in config.get("federated", {}).items()
-        if k not in _FED_GRID
-    },
-    sort_keys=True,
-    default=str,
-)
 
 
 rule federated_run:
@@ -33,7 +20,7 @@ rule federated_run:
         mechanism="gaussian|laplace",
         rounds="[0-9]+",
     params:
-        fp=lambda wc: FED_FP + pretrain_fingerprint(wc),
+        fp=lambda wc: stage_fingerprint(config, "federated", wc),
         python=python_exe,
         config=config_file,
         out=lambda wc, output: str(Path(output.metrics).parent),

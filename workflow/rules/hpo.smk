@@ -32,7 +32,7 @@ rule hpo_plan:
     params:
         python=python_exe,
         config=config_file,
-        fp=_hpo_fp,
+        fp=lambda wc: stage_fingerprint(config, "hpo", wc),
     log:
         f"{HPO_LOG}/plan.log",
     threads: 1

@@ -21,12 +21,6 @@ def _hpo_expand(pattern):
     )
 
 
-def _hpo_fp(wc):
-    return fingerprint("data", "finetune", "privacy", "hpo") + json.dumps(
-        config["tasks"][wc.task], sort_keys=True
-    )
-
-
 def _trial_paths(wc, sweeps=None):
     d = HPO_DIR.format(upstream=wc.upstream, task=wc.task, algo=wc.algo, seed=wc.seed)
     ks = HPO_SWEEPS if sweeps is None else sweeps
@@ -44,12 +38,6 @@ def _probe_expand(pattern, seeds=False):
             for u, t in pairs
             for s in (h.seeds if seeds else [None])
         )
-    )
-
-
-def _probe_fp(wc):
-    return fingerprint("data", "public", "privacy", "hpo") + json.dumps(
-        config["tasks"][wc.task], sort_keys=True
     )
 
 

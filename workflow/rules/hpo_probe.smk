@@ -23,7 +23,7 @@ rule hpo_features:
     params:
         python=python_exe,
         config=config_file,
-        fp=_probe_fp,
+        fp=lambda wc: stage_fingerprint(config, "hpo-probe", wc),
     log:
         f"{PROBE_LOG}/features.log",
     threads: 1
@@ -47,7 +47,7 @@ rule hpo_probe_oracle:
     params:
         python=python_exe,
         config=config_file,
-        fp=_probe_fp,
+        fp=lambda wc: stage_fingerprint(config, "hpo-probe", wc),
     log:
         f"{PROBE_LOG}/oracle.log",
     threads: 1
@@ -71,7 +71,7 @@ rule hpo_probe_seed:
     params:
         python=python_exe,
         config=config_file,
-        fp=_probe_fp,
+        fp=lambda wc: stage_fingerprint(config, "hpo-probe", wc),
     log:
         f"{PROBE_LOG}/seed{{seed}}.log",
     threads: 1

@@ -6,7 +6,7 @@ rule pretrain:
         model=f"{RESULTS}/pretrain/{{upstream}}/model.pt",
         metrics=f"{RESULTS}/pretrain/{{upstream}}/metrics.json",
     params:
-        fp=pretrain_fingerprint,
+        fp=lambda wc: stage_fingerprint(config, "pretrain", wc),
         python=python_exe,
         config=config_file,
         out=out_dir,

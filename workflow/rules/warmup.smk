@@ -4,7 +4,7 @@ rule warmup:
         model=f"{RESULTS}/warmup/model.pt",
         metrics=f"{RESULTS}/warmup/metrics.json",
     params:
-        fp=fingerprint("data", "public", "model", "warmup", "seed", "robustness"),
+        fp=stage_fingerprint(config, "warmup"),
         python=python_exe,
         config=config_file,
         out=out_dir,

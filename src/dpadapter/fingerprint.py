@@ -1,0 +1,182 @@
+"""The rerun trigger of each workflow stage: a fingerprint of the config its jobs read.
+
+Snakemake reruns a job when one of its params changes, so every training rule passes
+`fp=stage_fingerprint(config, stage, wildcards)`. What a stage reads is declared once, in
+`STAGES`: whole top-level sections; sections without the keys that only say which jobs exist
+(an exclusion list, so a key added to a section later is covered without anyone having to
+remember it here); and the entries its wildcards pick (its task, its algorithm's params, its
+upstream method's params). Adding a seed, an epsilon or an algorithm therefore reruns nothing
+that is already built, while any setting a finished job was trained with does.
+
+The value is laid out as the hand-written fingerprints it replaced were (a hash of the whole
+sections, then the JSON text of each further part), so results built before keep their value
+and are not rerun (tests/workflow/test_fingerprint.py checks it against those formulas). Only
+the stdlib: the workflow computes these while parsing, before any training code is imported.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+# What a part reads: the raw config (Snakemake's `config`) and the job's wildcards. Snakemake's
+# Wildcards object is not a Mapping but answers `wc["name"]` as a dict does.
+Part = Callable[[Mapping[str, Any], Any], Any]
+
+# Keys of `finetune` that only set which fine-tuning jobs exist. `algo_params` is here as a whole
+# because each job reads its own algorithm's entry (`algo_params` below).
+FINETUNE_GRID = ("algorithms", "epsilons", "seeds", "upstreams", "extra_grids", "algo_params")
+# The fine-tune jobs' fingerprint has covered `finetune.upstreams` since it was written; leaving
+# it out now would rerun every finished fine-tuning job after an upgrade.
+_FINETUNE_JOB_GRID = tuple(k for k in FINETUNE_GRID if k != "upstreams")
+# Keys of `audit` that only set which audit jobs exist.
+AUDIT_GRID = ("algorithms", "epsilons", "federated")
+# Keys of `federated` that only set which federated jobs exist; each mechanism's own `epsilons`
+# list is one too.
+FEDERATED_GRID = (
+    "upstreams",
+    "strategies",
+    "mechanisms",
+    "seeds",
+    "rounds_sweep",
+    "sweep_epsilons",
+    "sweep_seeds",
+)
+FEDERATED_MECHANISM_GRID = ("epsilons",)
+# `control`'s `match` when its params leave it out (dpadapter.upstream.control).
+_CONTROL_DEFAULT_MATCH = "dpadapter"
+
+
+def without(section: str, grid: Collection[str], nested: Collection[str] = ()) -> Part:
+    """A section minus its grid keys; `nested` are dropped from each dict-valued entry too."""
+
+    def trim(value: Any) -> Any:
+        if nested and isinstance(value, dict):
+            return {k: v for k, v in value.items() if k not in nested}
+        return value
+
+    def part(config: Mapping[str, Any], wildcards: Any) -> dict[str, Any]:
+        return {k: trim(v) for k, v in config.get(section, {}).items() if k not in grid}
+
+    part.__name__ = f"without({section!r})"
+    return part
+
+
+def task(config: Mapping[str, Any], wildcards: Any) -> Any:
+    """The `{task}` wildcard's entry of `tasks` (a KeyError names an unknown task)."""
+    return config["tasks"][wildcards["task"]]
+
+
+def algo_params(config: Mapping[str, Any], wildcards: Any) -> Any:
+    """The `{algo}` wildcard's `finetune.algo_params` entry ({} for none, as for a federated-*
+    audit job)."""
+    return config.get("finetune", {}).get("algo_params", {}).get(wildcards["algo"], {})
+
+
+def _upstream_method(wildcards: Any) -> str:
+    # The method of a variant name `method+param=value...` (dpadapter.upstream.variants); the
+    # wildcard's constraint has checked its form already.
+    return str(wildcards["upstream"]).partition("+")[0]
+
+
+def upstream_params(config: Mapping[str, Any], wildcards: Any) -> Any:
+    """The `{upstream}` method's `pretrain.params` entry (config params; a variant's own
+    overrides are in its name, hence in the output path)."""
+    return config.get("pretrain", {}).get("params", {}).get(_upstream_method(wildcards), {})
+
+
+def matched_params(config: Mapping[str, Any], wildcards: Any) -> Any:
+    """For `control`, the params of the method it continues the schedule of; {} otherwise."""
+    if _upstream_method(wildcards) != "control":
+        return {}
+    params = config.get("pretrain", {}).get("params", {})
+    return params.get(params.get("control", {}).get("match", _CONTROL_DEFAULT_MATCH), {})
+
+
+@dataclass(frozen=True)
+class Stage:
+    """What one stage's jobs read.
+
+    `sections` are hashed whole. Each entry of `parts` is one JSON text after that hash, a
+    tuple of parts as a JSON list: the grouping only reproduces the earlier hand-written
+    values. `plus` names a stage whose fingerprint is appended (a federated job reads its
+    upstream checkpoint through `ancient()`, so its rerun trigger carries the pretrain one).
+    """
+
+    sections: tuple[str, ...]
+    parts: tuple[Part | tuple[Part, ...], ...] = ()
+    plus: str | None = None
+
+    def reads(self) -> set[str]:
+        """Top-level sections this stage's fingerprint covers, whole or in part."""
+        names = set(self.sections)
+        for chunk in self.parts:
+            for p in chunk if isinstance(chunk, tuple) else (chunk,):
+                names |= _PART_SECTIONS[p]
+        if self.plus:
+            names |= STAGES[self.plus].reads()
+        return names
+
+
+_FINETUNE_JOB = without("finetune", _FINETUNE_JOB_GRID)
+_FINETUNE = without("finetune", FINETUNE_GRID)
+_AUDIT = without("audit", AUDIT_GRID)
+_FEDERATED = without("federated", FEDERATED_GRID, nested=FEDERATED_MECHANISM_GRID)
+
+_PART_SECTIONS: dict[Part, set[str]] = {
+    _FINETUNE_JOB: {"finetune"},
+    _FINETUNE: {"finetune"},
+    _AUDIT: {"audit"},
+    _FEDERATED: {"federated"},
+    task: {"tasks"},
+    algo_params: {"finetune"},
+    upstream_params: {"pretrain"},
+    matched_params: {"pretrain"},
+}
+
+# Rule(s) using each: warmup; pretrain; finetune; audit_run; federated_run; hpo_plan (network
+# regime; its other rules read the plan file); hpo_features, hpo_probe_oracle, hpo_probe_seed.
+STAGES: dict[str, Stage] = {
+    "warmup": Stage(("data", "public", "model", "warmup", "seed", "robustness")),
+    "pretrain": Stage(
+        ("data", "public", "model", "seed", "robustness"),
+        ((upstream_params, matched_params),),
+    ),
+    "finetune": Stage(
+        ("data", "privacy", "robustness", "public"),
+        ((_FINETUNE_JOB, algo_params, task),),
+    ),
+    "audit": Stage(
+        ("data", "tasks", "privacy", "public", "federated"),
+        ((_FINETUNE, _AUDIT), algo_params),
+    ),
+    "federated": Stage(("data", "tasks", "privacy"), (_FEDERATED,), plus="pretrain"),
+    "hpo": Stage(("data", "finetune", "privacy", "hpo"), (task,)),
+    "hpo-probe": Stage(("data", "public", "privacy", "hpo"), (task,)),
+}
+
+
+def _json(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, default=str)
+
+
+def stage_fingerprint(config: Mapping[str, Any], stage: str, wildcards: Any = None) -> str:
+    """The `fp` param of a `stage` job: it changes exactly when config the job reads changes.
+
+    `wildcards`: the job's (Snakemake's Wildcards or a dict); stages whose parts read none
+    (warmup) take None.
+    """
+    spec = STAGES[stage]
+    whole = _json({k: config.get(k) for k in spec.sections})
+    out = hashlib.sha256(whole.encode()).hexdigest()[:16]
+    for chunk in spec.parts:
+        if isinstance(chunk, tuple):
+            out += _json([p(config, wildcards) for p in chunk])
+        else:
+            out += _json(chunk(config, wildcards))
+    if spec.plus:
+        out += stage_fingerprint(config, spec.plus, wildcards)
+    return out

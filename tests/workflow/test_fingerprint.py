@@ -1,0 +1,254 @@
+"""The rules' rerun triggers (dpadapter.fingerprint): the same values as the hand-written ones
+they replaced (so finished results are not rerun after an upgrade), every new key of a section
+a stage reads reruns it, and a bigger grid reruns nothing already built."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from snakemake.iocontainers import Wildcards
+from tiny_config import TINY_RAW
+
+from dpadapter.fingerprint import STAGES, stage_fingerprint
+from dpadapter.upstream.variants import parse_variant
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIGS = {"config.yaml": REPO / "config.yaml"} | {
+    f"configs/{p.name}": p for p in sorted((REPO / "configs").glob("*.yaml"))
+}
+
+
+def _load(name: str) -> dict:
+    if name == "tiny":
+        return copy.deepcopy(TINY_RAW)
+    return yaml.safe_load(CONFIGS[name].read_text())
+
+
+# --- The hand-written fingerprints of workflow/rules/*.smk before dpadapter.fingerprint, with
+# --- `config` made an argument. The reference: do not edit.
+
+
+def old_fingerprint(config, *keys):
+    sub = {k: config.get(k) for k in keys}
+    return hashlib.sha256(json.dumps(sub, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def old_warmup(config, wc):
+    return old_fingerprint(config, "data", "public", "model", "warmup", "seed", "robustness")
+
+
+def old_pretrain(config, wildcards):
+    params = config.get("pretrain", {}).get("params", {})
+    base = parse_variant(wildcards.upstream)[0]
+    own = params.get(base, {})
+    matched = params.get(own.get("match", "dpadapter"), {}) if base == "control" else {}
+    return old_fingerprint(config, "data", "public", "model", "seed", "robustness") + json.dumps(
+        [own, matched], sort_keys=True
+    )
+
+
+_GRID_KEYS = {"algorithms", "epsilons", "seeds", "extra_grids", "algo_params"}
+
+
+def old_finetune(config, wildcards):
+    ft = {k: v for k, v in config.get("finetune", {}).items() if k not in _GRID_KEYS}
+    algo = config.get("finetune", {}).get("algo_params", {}).get(wildcards.algo, {})
+    task = config["tasks"][wildcards.task]
+    return old_fingerprint(config, "data", "privacy", "robustness", "public") + json.dumps(
+        [ft, algo, task], sort_keys=True
+    )
+
+
+def old_federated(config, wc):
+    _FED_GRID = {
+        "upstreams",
+        "strategies",
+        "mechanisms",
+        "seeds",
+        "rounds_sweep",
+        "sweep_epsilons",
+        "sweep_seeds",
+    }
+    FED_FP = old_fingerprint(config, "data", "tasks", "privacy") + json.dumps(
+        {
+            k: ({kk: vv for kk, vv in v.items() if kk != "epsilons"} if isinstance(v, dict) else v)
+            for k, v in config.get("federated", {}).items()
+            if k not in _FED_GRID
+        },
+        sort_keys=True,
+        default=str,
+    )
+    return FED_FP + old_pretrain(config, wc)
+
+
+def old_hpo(config, wc):
+    return old_fingerprint(config, "data", "finetune", "privacy", "hpo") + json.dumps(
+        config["tasks"][wc.task], sort_keys=True
+    )
+
+
+def old_probe(config, wc):
+    return old_fingerprint(config, "data", "public", "privacy", "hpo") + json.dumps(
+        config["tasks"][wc.task], sort_keys=True
+    )
+
+
+OLD = {
+    "warmup": old_warmup,
+    "pretrain": old_pretrain,
+    "finetune": old_finetune,
+    "federated": old_federated,
+    "hpo": old_hpo,
+    "hpo-probe": old_probe,
+}
+
+# ---
+
+
+def _jobs(config: dict) -> list[Wildcards]:
+    """Wildcards of a few jobs of `config`: every task, upstream method (a variant and control
+    among them) and algorithm it names, as Snakemake hands them to a params function."""
+    ft = config.get("finetune", {})
+    upstreams = [*config.get("pretrain", {}).get("methods", []), "control", "dpadapter+gamma=0.5"]
+    algos = [*ft.get("algorithms", []), *ft.get("algo_params", {}), "federated-gaussian"]
+    tasks = list(config["tasks"])
+    n = max(len(upstreams), len(algos), len(tasks))
+    return [
+        Wildcards(
+            fromdict={
+                "upstream": upstreams[i % len(upstreams)],
+                "task": tasks[i % len(tasks)],
+                "algo": algos[i % len(algos)],
+                "eps": "1",
+                "seed": "0",
+            }
+        )
+        for i in range(n)
+    ]
+
+
+@pytest.mark.parametrize("stage", sorted(OLD))
+@pytest.mark.parametrize("name", [*CONFIGS, "tiny"])
+def test_fingerprints_keep_their_values(name, stage):
+    config = _load(name)
+    for wc in _jobs(config):
+        assert stage_fingerprint(config, stage, wc) == OLD[stage](config, wc), (name, stage, wc)
+
+
+def test_every_stage_has_a_reference_but_the_audit():
+    """The audit's value changed on purpose: it named the fine-tune keys it read."""
+    assert set(STAGES) == set(OLD) | {"audit"}
+
+
+def _job(config: dict, **over) -> Wildcards:
+    task = next(iter(config["tasks"]))
+    wc = {"upstream": "dpadapter", "task": task, "algo": "dpsgd", "eps": "1", "seed": "0"}
+    return Wildcards(fromdict={**wc, **over})
+
+
+JOBS = [{}, {"upstream": "control"}, {"upstream": "dpadapter+gamma=2"}]
+
+
+@pytest.mark.parametrize("stage", sorted(s for s in STAGES if "finetune" in STAGES[s].reads()))
+@pytest.mark.parametrize("key", ["a_new_setting", "strategy", "pad_batches", "sample_rate_from"])
+def test_any_finetune_setting_reruns_every_stage_that_reads_finetune(stage, key):
+    config = _load("config.yaml")
+    for over in JOBS:
+        before = stage_fingerprint(config, stage, _job(config, **over))
+        changed = copy.deepcopy(config)
+        changed["finetune"][key] = "something else"
+        assert stage_fingerprint(changed, stage, _job(config, **over)) != before, (stage, key)
+
+
+@pytest.mark.parametrize(
+    ("stage", "section"), sorted((s, sec) for s, spec in STAGES.items() for sec in spec.reads())
+)
+def test_a_new_key_in_a_section_a_stage_reads_reruns_it(stage, section):
+    """Exclusion lists, not inclusion lists: a key added to a section later is covered."""
+    config = _load("config.yaml")
+    wc = _job(config)
+    changed = copy.deepcopy(config)
+    if section == "tasks":  # a job reads its own task's entry
+        changed["tasks"][wc["task"]]["a_new_setting"] = 1
+    elif section == "pretrain":  # ... and its upstream method's params
+        changed["pretrain"]["params"].setdefault(wc["upstream"], {})["a_new_setting"] = 1
+    elif isinstance(changed.get(section), dict):
+        changed[section]["a_new_setting"] = 1
+    else:
+        changed[section] = "something else"
+    assert stage_fingerprint(changed, stage, wc) != stage_fingerprint(config, stage, wc)
+
+
+def _append(*path):
+    def mutate(config):
+        node = config
+        for k in path[:-1]:
+            node = node[k]
+        node[path[-1]] = [*node.get(path[-1], []), 99]
+
+    return mutate
+
+
+def _another_algorithms_params(config):
+    config["finetune"].setdefault("algo_params", {})["some-other-algorithm"] = {"rho": 0.1}
+
+
+def _another_methods_params(config):
+    config["pretrain"]["params"]["some-other-method"] = {"lr": 0.1}
+
+
+# Changes of the grid's extent only: another seed, epsilon, algorithm, sub-grid, mechanism.
+GRID_CHANGES = {
+    "finetune.seeds": (_append("finetune", "seeds"), "finetune"),
+    "finetune.epsilons": (_append("finetune", "epsilons"), "finetune"),
+    "finetune.algorithms": (_append("finetune", "algorithms"), "finetune"),
+    "finetune.extra_grids": (_append("finetune", "extra_grids"), "finetune"),
+    "finetune.algo_params": (_another_algorithms_params, "finetune"),
+    "pretrain.methods": (_append("pretrain", "methods"), "pretrain"),
+    "pretrain.params": (_another_methods_params, "pretrain"),
+    "audit.epsilons": (_append("audit", "epsilons"), "audit"),
+    "audit.algorithms": (_append("audit", "algorithms"), "audit"),
+    "audit.federated": (_append("audit", "federated"), "audit"),
+    "federated.seeds": (_append("federated", "seeds"), "federated"),
+    "federated.mechanisms": (_append("federated", "mechanisms"), "federated"),
+    "federated.gaussian.epsilons": (_append("federated", "gaussian", "epsilons"), "federated"),
+    "federated.laplace.epsilons": (_append("federated", "laplace", "epsilons"), "federated"),
+    "federated.sweep_seeds": (_append("federated", "sweep_seeds"), "federated"),
+    "hpo.seeds": (_append("hpo", "seeds"), "hpo"),
+}
+
+
+@pytest.mark.parametrize("change", sorted(GRID_CHANGES))
+@pytest.mark.parametrize("stage", sorted(STAGES))
+def test_a_bigger_grid_reruns_no_finished_job(stage, change):
+    """Except where a stage hashes the section whole, as the HPO always has (hpo, finetune)
+    and the audit the federated section."""
+    mutate, section = GRID_CHANGES[change]
+    config = _load("config.yaml")
+    changed = copy.deepcopy(config)
+    mutate(changed)
+    for over in JOBS:
+        wc = _job(config, **over)
+        same = stage_fingerprint(changed, stage, wc) == stage_fingerprint(config, stage, wc)
+        assert same != (section in STAGES[stage].sections), (stage, change, over)
+
+
+def test_the_fingerprint_module_imports_only_the_stdlib():
+    import ast
+    import sys
+
+    import dpadapter.fingerprint as mod
+
+    tree = ast.parse(Path(mod.__file__).read_text())
+    roots = {
+        (n.module if isinstance(n, ast.ImportFrom) else a.name).split(".")[0]
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Import | ast.ImportFrom)
+        for a in (n.names if isinstance(n, ast.Import) else [n])
+    }
+    assert roots <= set(sys.stdlib_module_names) | {"__future__"}, roots
