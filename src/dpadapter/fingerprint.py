@@ -153,7 +153,8 @@ STAGES: dict[str, Stage] = {
         ("data", "tasks", "privacy", "public", "federated"),
         ((_FINETUNE, _AUDIT), algo_params),
     ),
-    "federated": Stage(("data", "tasks", "privacy"), (_FEDERATED,), plus="pretrain"),
+    # federated clients read finetune.grad_sample_mode and pad_batches (federated/stage.py)
+    "federated": Stage(("data", "tasks", "privacy"), ((_FEDERATED, _FINETUNE),), plus="pretrain"),
     "hpo": Stage(("data", "finetune", "privacy", "hpo"), (task,)),
     "hpo-probe": Stage(("data", "public", "privacy", "hpo"), (task,)),
 }

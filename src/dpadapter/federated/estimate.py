@@ -53,6 +53,7 @@ from dpadapter.federated.mechanisms import GAUSSIAN, LAPLACE, SENSITIVITY_FACTOR
 from dpadapter.models import get_head_params
 from dpadapter.privacy import Segment
 from dpadapter.strategies import FT, HT, apply_phase
+from dpadapter.train.per_sample.clip import clip_factors
 
 if TYPE_CHECKING:
     from dpadapter.federated.simulation import MechanismRun
@@ -131,12 +132,12 @@ def _clipped_sums(gsm, x, y, clip: float, norm: str, chunk: int, with_head: bool
                 nrm = torch.stack([gs[j].pow(2).sum(1) for j in idx], 1).sum(1).sqrt()
             else:
                 nrm = torch.stack([gs[j].abs().sum(1) for j in idx], 1).sum(1)
-            f = (clip / (nrm + 1e-6)).clamp(max=1.0)
+            f = clip_factors(nrm, clip)
             l2sq = torch.stack([gs[j].pow(2).sum(1) for j in idx], 1).sum(1)
             # The statistics' bound is in the training clipping's own unit (l1 for Laplace):
             # the estimate measures the gradients as training clips them. l2 <= l1, so an l1
             # bound c is also the l2 bound the sensitivities use.
-            f = f * (stat_clip / (f * nrm + 1e-6)).clamp(max=1.0)
+            f = f * clip_factors(f * nrm, stat_clip)
             target = sum_full if part == "full" else sum_head
             for t, j in zip(target, idx, strict=True):
                 t += (f[:, None] * gs[j]).sum(0).view_as(t)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from dpadapter.hpo.probe.features import Split
+from dpadapter.train.per_sample.clip import clip_factors
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,7 @@ def clipped_grad_sum(
     if x_norm is None:
         x_norm = (x * x).sum(1).sqrt()
     norms = (r * r).sum(1).sqrt() * x_norm.unsqueeze(0)  # (K, n); torch.norm is slow here
-    r = r * (clip / norms.clamp_min(1e-12)).clamp(max=1.0).unsqueeze(1)
+    r = r * clip_factors(norms, clip).unsqueeze(1)
     return (r.reshape(k * c, n) @ x).view(k, c, d).transpose(1, 2)
 
 
