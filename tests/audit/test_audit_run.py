@@ -64,3 +64,13 @@ def test_registered_algorithm_stays_within_its_claim(audit_cfg, algo):
     assert r["epsilon_lb"] <= r["claimed_epsilon"], r["best_test"]
     assert r["within_claim"]
     assert len(r["tests"]) == 4 and r["canaries"] == 1000
+
+
+def test_the_audited_noise_is_the_one_calibration(audit_cfg):
+    """The audit measures the sigma the pipeline's one calibration (privacy.calibration) sets."""
+    from dpadapter.privacy import calibrate_sigma
+
+    cfg = dataclasses.replace(audit_cfg, audit=dataclasses.replace(audit_cfg.audit, epochs=1))
+    r = audit_run(cfg, "dpsgd", 2.0)
+    want = calibrate_sigma(2.0, cfg.privacy.delta, r["sample_rate"], r["steps"], "rdp")
+    assert r["noise_multiplier"] == want

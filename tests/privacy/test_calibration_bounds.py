@@ -10,7 +10,7 @@ import pytest
 from opacus.accountants.utils import get_noise_multiplier
 
 from dpadapter.privacy import CalibrationError, calibrate_sigma, max_reachable_epsilon
-from dpadapter.privacy.accounting import SIGMA_MIN, _calibrate
+from dpadapter.privacy.calibration import SIGMA_MIN, _calibrate
 
 
 @pytest.mark.parametrize("eps", [1000.0, 100000.0])
