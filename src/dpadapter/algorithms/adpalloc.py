@@ -90,35 +90,19 @@ class AdpAlloc(DPAlgorithm):
         s, k = self.spec, float(self.params["decay"])
         if k < 0:
             raise ValueError(f"adpalloc: decay must be >= 0, got {k}")
-        key = json.dumps(
-            [
-                "adpalloc-exp",
-                s.target_epsilon,
-                s.delta,
-                s.sample_rate,
-                s.steps_per_epoch,
-                s.epochs,
-                k,
-                s.accountant,
-                EPS_ERROR,
-                REL_TOL,
-            ]
+        inputs = (
+            s.target_epsilon,
+            s.delta,
+            s.sample_rate,
+            s.steps_per_epoch,
+            s.epochs,
+            k,
+            s.accountant,
         )
+        key = json.dumps(["adpalloc-exp", *inputs, EPS_ERROR, REL_TOL])
         # the constant-sigma calibration of the base class brackets sigma_0 from below
-        return cached(
-            s.calibration_cache,
-            key,
-            lambda: calibrate_decay(
-                s.target_epsilon,
-                s.delta,
-                s.sample_rate,
-                s.steps_per_epoch,
-                s.epochs,
-                k,
-                s.accountant,
-                super(AdpAlloc, self).calibrate(),
-            ),
-        )
+        constant = lambda: super(AdpAlloc, self).calibrate()  # noqa: E731
+        return cached(s.calibration_cache, key, lambda: calibrate_decay(*inputs, constant()))
 
     def noise_multiplier(self, epoch: int) -> float:
         return decayed(self.sigma, float(self.params["decay"]), epoch)

@@ -164,26 +164,20 @@ class ShuffledBatches:
             yield gather(self.x, rows, self.device), gather(self.y, rows, self.device)
 
 
-def dp_batches(
-    data: TensorDataset,
-    sample_rate: float,
-    generator: torch.Generator,
-    device: torch.device,
-    max_physical: int | None = None,
-    pad: bool = False,
-    optimizer=None,
-):
+def dp_batches(data: TensorDataset, sample_rate: float, generator, device, **split):
     """The DP loop's batches: on the CPU without padding, Opacus' own DPDataLoader (split into
     physical batches by Opacus' `wrap_data_loader`, what BatchMemoryManager does), exactly the
     loader runs made before GPU support used, so they reproduce bit for bit; otherwise
-    `PoissonBatches` (the same index stream, gathered on the device, padded when asked)."""
-    if not pad and device.type == "cpu" and data.tensors[0].device.type == "cpu":
+    `PoissonBatches` (the same index stream, gathered on the device, padded when asked).
+    `split` are PoissonBatches' `max_physical`, `pad` and `optimizer`."""
+    cpu = device.type == "cpu" and data.tensors[0].device.type == "cpu"
+    if not split.get("pad") and cpu:
         loader = DPDataLoader(data, sample_rate=sample_rate, generator=generator)
-        if max_physical is None:
+        if split.get("max_physical") is None:
             return loader
-        split = wrap_data_loader(
-            data_loader=loader, max_batch_size=max_physical, optimizer=optimizer
+        physical = wrap_data_loader(
+            data_loader=loader, max_batch_size=split["max_physical"], optimizer=split["optimizer"]
         )
-        split.logical_batches = len(loader)  # len(split) counts physical batches
-        return split
-    return PoissonBatches(data, sample_rate, generator, device, max_physical, pad, optimizer)
+        physical.logical_batches = len(loader)  # len(physical) counts physical batches
+        return physical
+    return PoissonBatches(data, sample_rate, generator, device, **split)
