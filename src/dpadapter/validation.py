@@ -34,7 +34,7 @@ from dpadapter.data import DATASET_INFO, missing_files
 from dpadapter.models import MODEL_NAMES, create_model
 from dpadapter.param_schema import param_errors
 from dpadapter.privacy import max_reachable_epsilon
-from dpadapter.privacy.accounting import SIGMA_MIN
+from dpadapter.privacy.calibration import SIGMA_MIN
 from dpadapter.train.per_sample.bookkeeping import unsupported_trainable
 from dpadapter.upstream import UPSTREAMS
 from dpadapter.upstream.variants import format_variant, parse_variant
