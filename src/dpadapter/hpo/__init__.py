@@ -1,11 +1,11 @@
 """Private hyperparameter search with the linear scaling rule (Panda et al., 2024).
 
-Two regimes (`hpo.regime`) share this core: `linear-probe` (package `probe`; the paper's:
-a linear head on frozen features; the default) and `network` (the whole network fine-tuned with a registered DP algorithm). The core
-is what both must agree on: `space` (r = lr * T, its grid, decompositions, the r(eps) fit),
-`selection` (private release of each sweep's winner), `accounting` (PLD composition of
-everything released), `seeds` (the seed streams of a replicate), `cli` (the stages' entry
-points) and `jobs` below (what the workflow schedules).
+Two regimes (`hpo.regime`) share this core: `linear-probe` (package `probe`; the paper's: a
+linear head on frozen features; the default) and `network` (the whole network fine-tuned with a
+registered DP algorithm). The core is what both must agree on: `space` (r = lr * T, its grid,
+decompositions, the r(eps) fit), `selection` (private release of each sweep's winner),
+`accounting` (PLD composition of everything released), `seeds` (the seed streams of a
+replicate), `cli` (the stages' entry points) and `jobs` below (what the workflow schedules).
 """
 
 __all__ = ["jobs"]
