@@ -10,7 +10,7 @@ CONFIG ?= config.yaml
 # the summaries printed below.
 RESULTS = $$($(BIN)/python -c "import sys; from dpadapter.config import read_raw; print(read_raw(sys.argv[1]).get('results_dir', 'results'))" $(CONFIG))
 
-.PHONY: run report sweeps hpo federated audit validity test test-cluster lint bench setup data browser clean-results mlflow
+.PHONY: run report sweeps hpo federated audit validity test test-cluster lint bench overhead setup data browser clean-results mlflow
 
 # uv installs the pinned set several times faster than pip (parallel downloads and unpacking);
 # pip is the fallback where uv cannot be had or fails. uv ignores pip's configuration, so
@@ -102,6 +102,12 @@ lint: $(STAMP)
 
 bench: setup
 	$(BIN)/python bench/dp_step.py
+
+# Where the time of $(CONFIG)'s finished run went: per rule, wall per job (Snakemake benchmark
+# files) against the training time inside it (metrics.json), and one timed dry run of the config
+# (docs/speed.md). Reads the results, writes nothing there.
+overhead: $(STAMP)
+	$(BIN)/python bench/overhead.py $(RESULTS) --dry-run-config $(CONFIG)
 
 # The MLflow UI over the runs of $(CONFIG) (its results folder's store unless MLFLOW_TRACKING_URI
 # or tracking.uri say otherwise), opened on the config's experiment in the "DP runs" view; with a
