@@ -20,7 +20,7 @@ from dpadapter.job import seed_everything, training_job
 from dpadapter.models import replace_head
 from dpadapter.strategies import get_strategy, released_dims
 from dpadapter.train.checkpoint import load_model, save_model
-from dpadapter.train.dp_fit import FitSettings, dp_fit
+from dpadapter.train.dp_fit import FitSettings, dp_fit, privacy_record
 from dpadapter.train.dp_spec import run_spec
 from dpadapter.train.loops import evaluate, robust_accuracy
 from dpadapter.train.resume import ResumeFile, resume_file_path
@@ -128,15 +128,7 @@ def run(
                 # bk only: how each layer's per-example norms were computed (ghost/per-example)
                 "clipping_plan": algo.clipping_plan or None,
                 "privacy": {
-                    "mechanism": "gaussian",
-                    "accountant": spec.accountant,
-                    "target_epsilon": eps,
-                    "epsilon": epsilon,
-                    "delta": spec.delta,
-                    "steps": ledger.steps,
-                    "sample_rate": spec.sample_rate,
-                    "sampling": "poisson",
-                    "history": ledger.state_dict()["history"],
+                    **privacy_record(spec, ledger, eps, epsilon),
                     "validation_use": "reported only; selects nothing, so it is not charged",
                     "phases": [
                         {**ph, "released_dim": released_dims(model)[ph["phase"]]}

@@ -192,3 +192,22 @@ def dp_fit(
     if hasattr(gsm, "_close"):
         gsm._close()  # drop the per-sample hooks; evaluation uses the plain module
     return algo, ledger
+
+
+def privacy_record(spec: DPRunSpec, ledger: PrivacyLedger, target: float, epsilon: float) -> dict:
+    """What metrics.json says of a DP fit's guarantee: sigma's inputs, the history, epsilon.
+
+    `epsilon` is the ledger's, recomputed from the releases actually made (the caller has it
+    already and checked it against the target). Stages add their own notes after these keys.
+    """
+    return {
+        "mechanism": "gaussian",
+        "accountant": spec.accountant,
+        "target_epsilon": target,
+        "epsilon": epsilon,
+        "delta": spec.delta,
+        "steps": ledger.steps,
+        "sample_rate": spec.sample_rate,
+        "sampling": "poisson",
+        "history": ledger.state_dict()["history"],
+    }

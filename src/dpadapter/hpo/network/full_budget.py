@@ -35,6 +35,7 @@ def final_budget_run(
     from dpadapter.data import build_splits
     from dpadapter.job import training_job
     from dpadapter.train.checkpoint import save_model
+    from dpadapter.train.dp_fit import privacy_record
 
     _, roles = build_splits(cfg, [p["task"]])
     d = roles[p["task"]]
@@ -85,17 +86,7 @@ def final_budget_run(
                 "val_correct": val_correct,
                 "val_size": len(d.val),
                 "hyperparameters": hyper,
-                "privacy": {
-                    "mechanism": "gaussian",
-                    "accountant": res.spec.accountant,
-                    "target_epsilon": target,
-                    "epsilon": spent,
-                    "delta": res.spec.delta,
-                    "steps": res.ledger.steps,
-                    "sample_rate": res.spec.sample_rate,
-                    "sampling": "poisson",
-                    "history": res.ledger.state_dict()["history"],
-                },
+                "privacy": privacy_record(res.spec, res.ledger, target, spent),
             }
         )
         run.log_metrics(

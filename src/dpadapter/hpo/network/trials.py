@@ -23,6 +23,7 @@ from dpadapter.hpo.space import step_dict, step_from
 def trial(cfg: Config, plan_path: Path, sweep: int, index: int, ckpt: Path, out_dir: Path) -> dict:
     """One trial; only the training and validation splits are loaded."""
     from dpadapter.job import training_job
+    from dpadapter.train.dp_fit import privacy_record
 
     p = load_plan(cfg, plan_path)
     t = p["sweeps"][sweep]["trials"][index]
@@ -83,15 +84,7 @@ def trial(cfg: Config, plan_path: Path, sweep: int, index: int, ckpt: Path, out_
                 "val_size": len(data.val),
                 "hyperparameters": hyper,
                 "privacy": {
-                    "mechanism": "gaussian",
-                    "accountant": res.spec.accountant,
-                    "target_epsilon": eps,
-                    "epsilon": spent,
-                    "delta": res.spec.delta,
-                    "steps": res.ledger.steps,
-                    "sample_rate": res.spec.sample_rate,
-                    "sampling": "poisson",
-                    "history": res.ledger.state_dict()["history"],
+                    **privacy_record(res.spec, res.ledger, eps, spent),
                     "validation_use": "val_correct is the score of the sweep's private selection "
                     "(hpo_sweep), whose cost is composed into the HPO total",
                 },
