@@ -18,6 +18,7 @@ import os
 import platform
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -147,6 +148,21 @@ def onto(
     if t is None:
         return None
     return t.to(device=device, dtype=dtype if t.is_floating_point() else None)
+
+
+@dataclass(frozen=True)
+class Place:
+    """Where restored state tensors go (`onto`): the parameters' device and dtype."""
+
+    device: torch.device | None = None
+    dtype: torch.dtype | None = None
+
+    def __call__(self, t: torch.Tensor | None) -> torch.Tensor | None:
+        return onto(t, self.device, self.dtype)
+
+    def all(self, ts: list[torch.Tensor | None] | None) -> list[torch.Tensor | None] | None:
+        """Each tensor of a list placed; None (no list saved) stays None."""
+        return None if ts is None else [self(t) for t in ts]
 
 
 def to(x: torch.Tensor, device: torch.device) -> torch.Tensor:

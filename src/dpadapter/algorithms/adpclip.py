@@ -28,6 +28,7 @@ import torch
 from opacus.optimizers import AdaClipDPOptimizer, DPOptimizer
 
 from dpadapter.algorithms.base import DPAlgorithm, Release, register_algorithm
+from dpadapter.device import Place
 from dpadapter.param_schema import FRACTION, NON_NEGATIVE, POSITIVE, nullable, params_object
 from dpadapter.train.per_sample.clip import clip_factors
 
@@ -212,13 +213,7 @@ class AdpClip(DPAlgorithm):
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "clip": self.clip}
 
-    def load_state_dict(
-        self,
-        state: dict[str, Any],
-        device: torch.device | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> None:
-        super().load_state_dict(state, device, dtype)
+    def restore(self, state: dict[str, Any], place: Place) -> None:
         if self.optimizer is not None:
             self.optimizer.max_grad_norm = float(state["clip"])
         else:

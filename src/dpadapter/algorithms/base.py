@@ -34,6 +34,7 @@ import torch
 from opacus.optimizers import DPOptimizer
 from torch import nn
 
+from dpadapter.device import Place
 from dpadapter.param_schema import param_errors, params_object
 from dpadapter.privacy import PrivacyLedger, calibrate_sigma
 
@@ -296,6 +297,10 @@ class DPAlgorithm:
         """Restore `state`; its tensors go to the parameters' `device` and (floating ones)
         `dtype`, since the stage reads resume states onto the CPU (dpadapter.device.onto)."""
         self.sigma = state["sigma"]
+        self.restore(state, Place(device, dtype))
+
+    def restore(self, state: dict[str, Any], place: Place) -> None:
+        """A variant's own part of `state` (what its `state_dict` added), placed by `place`."""
 
     def describe(self) -> dict[str, Any]:
         """Hyperparameters for metrics.json and MLflow (`noise_multiplier`: the accounted one)."""

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from dpadapter.algorithms.base import DPAlgorithm, global_norm, param_copies, register_algorithm
-from dpadapter.device import onto
+from dpadapter.device import Place
 from dpadapter.param_schema import NON_NEGATIVE, by_epsilon, params_object
 
 
@@ -136,14 +136,8 @@ class DPSAM(DPAlgorithm):
         # Between logical batches both are empty; inside one they hold the ascent in progress.
         return {**super().state_dict(), "ascent_sum": self._ascent_sum, "kept": self._kept}
 
-    def load_state_dict(
-        self,
-        state: dict[str, Any],
-        device: torch.device | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> None:
-        super().load_state_dict(state, device, dtype)
-        ascent = state["ascent_sum"]
-        self._ascent_sum = None if ascent is None else [onto(s, device, dtype) for s in ascent]
+    def restore(self, state: dict[str, Any], place: Place) -> None:
+        self._ascent_sum = place.all(state["ascent_sum"])
         # the kept inputs replay through the model, so they follow its device and dtype too
-        self._kept = [(onto(x, device, dtype), onto(y, device)) for x, y in state["kept"]]
+        # (integer labels keep theirs)
+        self._kept = [(place(x), place(y)) for x, y in state["kept"]]

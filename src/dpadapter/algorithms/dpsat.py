@@ -15,7 +15,7 @@ from opacus.optimizers import DPOptimizer
 from torch import nn
 
 from dpadapter.algorithms.base import DPAlgorithm, all_params, global_norm, register_algorithm
-from dpadapter.device import onto
+from dpadapter.device import Place
 from dpadapter.param_schema import FRACTION, NON_NEGATIVE, by_epsilon, nullable, params_object
 
 
@@ -92,20 +92,9 @@ class DPSAT(DPAlgorithm):
             "backup": self._backup,
         }
 
-    def load_state_dict(
-        self,
-        state: dict[str, Any],
-        device: torch.device | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> None:
-        super().load_state_dict(state, device, dtype)
-        self._direction = _placed(state["direction"], device, dtype)
-        self._backup = _placed(state["backup"], device, dtype)
-
-
-def _placed(tensors: list[torch.Tensor | None] | None, device, dtype):
-    """A per-parameter list (None entries: parameters not trained) next to the parameters."""
-    return None if tensors is None else [onto(t, device, dtype) for t in tensors]
+    def restore(self, state: dict[str, Any], place: Place) -> None:
+        self._direction = place.all(state["direction"])
+        self._backup = place.all(state["backup"])
 
 
 @register_algorithm("dpsat-momentum")

@@ -27,7 +27,7 @@ from opacus.optimizers.optimizer import _check_processed_flag, _generate_noise, 
 from torch import nn
 
 from dpadapter.algorithms.base import DPAlgorithm, Release, register_algorithm
-from dpadapter.device import onto
+from dpadapter.device import Place
 from dpadapter.param_schema import (
     NON_NEGATIVE_INT,
     POSITIVE,
@@ -380,15 +380,8 @@ class GEP(DPAlgorithm):
         bases = self.optimizer.bases if self.optimizer is not None else self._bases
         return {**super().state_dict(), "bases": bases, "batches": self._batches}
 
-    def load_state_dict(
-        self,
-        state: dict[str, Any],
-        device: torch.device | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> None:
-        super().load_state_dict(state, device, dtype)
-        bases = state["bases"]
-        self._bases = None if bases is None else [onto(v, device, dtype) for v in bases]
+    def restore(self, state: dict[str, Any], place: Place) -> None:
+        self._bases = place.all(state["bases"])
         self._batches = int(state["batches"])
         if self.optimizer is not None:
             self.optimizer.set_bases(self._bases)

@@ -60,7 +60,7 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from dpadapter.device import onto
+from dpadapter.device import Place
 from dpadapter.param_schema import NON_NEGATIVE, POSITIVE_INT, params_object
 from dpadapter.upstream.base import register_upstream
 from dpadapter.upstream.perturbed import (
@@ -191,15 +191,8 @@ class EMAPerturbedStep(PerturbedStep):
         out["average"] = None if self.average is None else [a.cpu() for a in self.average]
         return out
 
-    def load_state_dict(
-        self,
-        state: dict[str, Any],
-        device: torch.device | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> None:
-        super().load_state_dict(state, device, dtype)
-        avg = state.get("average")
-        self.average = None if avg is None else [onto(a, device, dtype) for a in avg]
+    def restore(self, state: dict[str, Any], place: Place) -> None:
+        self.average = place.all(state.get("average"))
 
 
 @register_upstream("dpadapter-ema")

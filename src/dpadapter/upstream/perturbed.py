@@ -65,7 +65,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from dpadapter.config import SGDConfig
-from dpadapter.device import gather, onto, to
+from dpadapter.device import Place, gather, to
 from dpadapter.param_schema import (
     FRACTION,
     NON_NEGATIVE,
@@ -369,12 +369,16 @@ class PerturbedStep:
         stay on the CPU, where the sampler draws them."""
         self.steps = int(state["steps"])
         self.chunk_size = min(self.chunk_size, int(state.get("chunk_size", self.chunk_size)))
-        delta = state["last_delta"]
-        self.last_delta = None if delta is None else [onto(d, device, dtype) for d in delta]
+        place = Place(device, dtype)
+        self.last_delta = place.all(state["last_delta"])
         self.last_b1 = state["last_b1"]
         if self.sampler is not None and state["sampler_rng"] is not None:
             self.sampler.generator.set_state(state["sampler_rng"])
         self.stats = _EpochStats(**state["stats"])
+        self.restore(state, place)
+
+    def restore(self, state: dict[str, Any], place: Place) -> None:
+        """A variant's own part of `state` (what its `state_dict` added), placed by `place`."""
 
 
 SCHEDULE_DEFAULTS: dict[str, Any] = {
