@@ -245,3 +245,40 @@ def test_snakemake_refuses_a_missing_base_before_any_job(tmp_path):
     assert r.returncode != 0
     assert "top.yaml:1: base: 'gone.yaml' not found" in out, out[-3000:]
     assert "Traceback" not in out, out[-3000:]
+
+
+def test_algo_params_for_overrides_per_upstream_and_task():
+    """DP-SAT Table 3 tunes the radius per model and dataset: entries apply in order, key by
+    key, on top of finetune.algo_params, and only to the jobs they name."""
+    from dpadapter.validation import validate
+    import copy
+
+    from tiny_config import TINY_RAW
+
+    tiny_raw = lambda: copy.deepcopy(TINY_RAW)  # noqa: E731
+
+    raw = tiny_raw()
+    raw["finetune"]["algo_params"] = {"dpsat": {"rho": 0.1}}
+    raw["finetune"]["algo_params_for"] = [
+        {"tasks": [next(iter(raw["tasks"]))], "algo_params": {"dpsat": {"rho": 0.3}}},
+        {"upstreams": ["scratch"], "algo_params": {"dpsat": {"rho": 0.7}}},
+    ]
+    cfg = validate(raw)
+    task = next(iter(raw["tasks"]))
+    ft = cfg.finetune
+    assert ft.params_of("dpsat") == {"rho": 0.1}
+    assert ft.params_of("dpsat", "standard", task) == {"rho": 0.3}
+    assert ft.params_of("dpsat", "scratch", task) == {"rho": 0.7}
+    assert ft.params_of("dpsat", "scratch", "other") == {"rho": 0.7}
+    assert ft.params_of("dpsgd", "scratch", task) == {}
+    bad = tiny_raw()
+    bad["finetune"]["algo_params_for"] = [
+        {"tasks": ["nope"], "algo_params": {"dpsat": {"rho": 0.3}}},
+        {"algo_params": {"dpsat": {"rhoo": 0.3}}},
+    ]
+    with pytest.raises(ConfigError) as e:
+        validate(bad)
+    assert "rhoo" in str(e.value)
+    bad["finetune"]["algo_params_for"].pop()
+    with pytest.raises(ConfigError, match=r"algo_params_for\.0\.tasks"):
+        validate(bad)

@@ -112,6 +112,25 @@ class GridConfig:
 
 
 @dataclass(frozen=True)
+class ParamsFor:
+    """Algorithm params for some upstreams and tasks only (empty = all of them).
+
+    A published table may tune a hyperparameter per model and dataset (DP-SAT Table 3's
+    radius): entries apply in order on top of `finetune.algo_params`, each algorithm's dict
+    merged key by key.
+    """
+
+    algo_params: dict[str, dict[str, Any]]
+    upstreams: tuple[str, ...] = ()
+    tasks: tuple[str, ...] = ()
+
+    def applies(self, upstream: str | None, task: str | None) -> bool:
+        return (not self.upstreams or upstream in self.upstreams) and (
+            not self.tasks or task in self.tasks
+        )
+
+
+@dataclass(frozen=True)
 class FinetuneConfig:
     algorithms: tuple[str, ...] = ("dpsgd",)
     epsilons: tuple[float, ...] = (1.0, 4.0)
@@ -132,8 +151,19 @@ class FinetuneConfig:
     sample_rate_from: str = "batch_size"
     extra_grids: tuple[GridConfig, ...] = ()
     algo_params: dict[str, dict[str, Any]] = field(default_factory=dict)
+    algo_params_for: tuple[ParamsFor, ...] = ()
     strategy: str = "ft"  # dpadapter.strategies: ft (all params), ht (head only), ut (HT, FT)
     ut_t1_fraction: float = 0.5  # ut: share of the steps that are head-tuning
+
+    def params_of(
+        self, algo: str, upstream: str | None = None, task: str | None = None
+    ) -> dict[str, Any]:
+        """`algo`'s params for a job on (upstream, task): `algo_params`, then the overrides."""
+        out = dict(self.algo_params.get(algo, {}))
+        for entry in self.algo_params_for:
+            if entry.applies(upstream, task):
+                out.update(entry.algo_params.get(algo, {}))
+        return out
 
 
 @dataclass(frozen=True)
@@ -352,6 +382,10 @@ class ReferenceCell:
     epsilon: float
     mean: float  # test accuracy %, as published
     std: float = 0.0
+    # A table with several models or datasets (DP-SAT Table 3): this cell's own upstream and
+    # task; None = the reference's.
+    upstream: str | None = None
+    task: str | None = None
 
 
 @dataclass(frozen=True)
@@ -529,6 +563,9 @@ def from_dict(raw: dict[str, Any], validate: bool = True) -> Config:
     grid_keys = ("algorithms", "upstreams", "tasks", "epsilons", "seeds")
     ft["extra_grids"] = tuple(
         GridConfig(**_tuplify(g, grid_keys)) for g in ft.get("extra_grids", ())
+    )
+    ft["algo_params_for"] = tuple(
+        ParamsFor(**_tuplify(e, ("upstreams", "tasks"))) for e in ft.get("algo_params_for", ())
     )
     pre = raw.get("pretrain", {})
     cfg = Config(

@@ -28,7 +28,15 @@ Part = Callable[[Mapping[str, Any], Any], Any]
 
 # Keys of `finetune` that only set which fine-tuning jobs exist. `algo_params` is here as a whole
 # because each job reads its own algorithm's entry (`algo_params` below).
-FINETUNE_GRID = ("algorithms", "epsilons", "seeds", "upstreams", "extra_grids", "algo_params")
+FINETUNE_GRID = (
+    "algorithms",
+    "epsilons",
+    "seeds",
+    "upstreams",
+    "extra_grids",
+    "algo_params",
+    "algo_params_for",
+)
 # The fine-tune jobs' fingerprint has covered `finetune.upstreams` since it was written; leaving
 # it out now would rerun every finished fine-tuning job after an upgrade.
 _FINETUNE_JOB_GRID = tuple(k for k in FINETUNE_GRID if k != "upstreams")
@@ -73,7 +81,26 @@ def task(config: Mapping[str, Any], wildcards: Any) -> Any:
 def algo_params(config: Mapping[str, Any], wildcards: Any) -> Any:
     """The `{algo}` wildcard's `finetune.algo_params` entry ({} for none, as for a federated-*
     audit job)."""
-    return config.get("finetune", {}).get("algo_params", {}).get(wildcards["algo"], {})
+    ft = config.get("finetune", {})
+    algo = wildcards["algo"]
+    base = ft.get("algo_params", {}).get(algo, {})
+    # `algo_params_for` entries that apply to this job, in order (its params are base + these);
+    # without any, the value is the entry alone, as it always was.
+    wc = {k: _wildcard(wildcards, k) for k in ("upstream", "task")}
+    extra = [
+        e["algo_params"][algo]
+        for e in ft.get("algo_params_for", ())
+        if algo in e.get("algo_params", {})
+        and all(wc[k] is None or wc[k] in e.get(k + "s", (wc[k],)) for k in wc)
+    ]
+    return {"base": base, "for": extra} if extra else base
+
+
+def _wildcard(wildcards: Any, name: str) -> Any:
+    try:
+        return wildcards[name]
+    except (KeyError, AttributeError, IndexError):
+        return None
 
 
 def _upstream_method(wildcards: Any) -> str:

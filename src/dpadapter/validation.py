@@ -72,6 +72,12 @@ def _full_schema() -> dict[str, Any]:  # parsing the schema's YAML costs 0.1 s; 
 
     plug(props["pretrain"], "params", UPSTREAMS, "method")
     plug(props["finetune"], "algo_params", ALGORITHMS, "algorithm")
+    plug(
+        props["finetune"]["properties"]["algo_params_for"]["items"],
+        "algo_params",
+        ALGORITHMS,
+        "algorithm",
+    )
     return schema
 
 
@@ -212,6 +218,10 @@ def _name_problems(cfg: Config) -> list[str]:
         )
         problems += _missing(f"{where}.upstreams", g.upstreams, cfg.upstreams, NOT_METHOD)
         problems += _missing(f"{where}.tasks", g.tasks, cfg.tasks, "unknown task {}")
+    for i, entry in enumerate(cfg.finetune.algo_params_for):
+        where = f"finetune.algo_params_for.{i}"
+        problems += _missing(f"{where}.upstreams", entry.upstreams, cfg.upstreams, NOT_METHOD)
+        problems += _missing(f"{where}.tasks", entry.tasks, cfg.tasks, "unknown task {}")
     if not cfg.model.name.startswith("timm:") and cfg.model.name not in MODEL_NAMES:
         problems.append(
             f"model.name: unknown model {cfg.model.name!r}; "
@@ -319,6 +329,10 @@ def _reference_problems(cfg: Config) -> list[str]:
     for i, c in enumerate(ref.cells):
         if c.algorithm not in ALGORITHMS:
             out.append(f"reference.cells.{i}.algorithm: unknown algorithm {c.algorithm!r}")
+        if c.upstream is not None and c.upstream not in cfg.upstreams:
+            out.append(f"reference.cells.{i}.upstream: {c.upstream!r} is not in pretrain.methods")
+        if c.task is not None and c.task not in cfg.tasks:
+            out.append(f"reference.cells.{i}.task: unknown task {c.task!r}")
     for key in ("baseline", "improved"):
         if getattr(ref, key) not in cells:
             out.append(f"reference.{key}: {getattr(ref, key)!r} has no cell in reference.cells")

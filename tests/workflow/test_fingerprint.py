@@ -231,3 +231,20 @@ def test_the_fingerprint_module_imports_only_the_stdlib():
         for a in (n.names if isinstance(n, ast.Import) else [n])
     }
     assert roots <= set(sys.stdlib_module_names) | {"__future__"}, roots
+
+
+def test_algo_params_for_reruns_only_the_jobs_it_applies_to():
+    config = _load("config.yaml")
+    task = next(iter(config["tasks"]))
+    changed = copy.deepcopy(config)
+    changed["finetune"]["algo_params_for"] = [
+        {"upstreams": ["dpadapter"], "tasks": [task], "algo_params": {"dpsgd": {}}},
+        {"upstreams": ["sam"], "algo_params": {"dpsgd": {"x": 1}}},
+    ]
+    same = {}
+    for up in ("dpadapter", "sam", "standard"):
+        wc = _job(config, upstream=up)
+        same[up] = stage_fingerprint(changed, "finetune", wc) == stage_fingerprint(
+            config, "finetune", wc
+        )
+    assert same == {"dpadapter": False, "sam": False, "standard": True}

@@ -54,7 +54,7 @@ def run(
     data = roles[task]
     model, ckpt_meta = load_model(ckpt)
     replace_head(model, data.num_classes, seed)
-    spec = run_spec(cfg, algo_name, eps, len(data.train))
+    spec = run_spec(cfg, algo_name, eps, len(data.train), upstream, task)
     schedule = get_strategy(cfg.finetune.strategy).schedule(
         spec.total_steps, cfg.finetune.ut_t1_fraction
     )

@@ -6,7 +6,9 @@ ours come from `finetune.csv` (mean and std over the seeds that ran). ERR is the
 error-rate reduction of `improved` over `baseline` at each epsilon,
 (err_baseline - err_improved) / err_baseline with err = 100 - accuracy %, computed the same way
 for the paper's numbers and for ours. A cell that did not run is shown as "not run", never
-dropped, so a partial reproduction says what is missing.
+dropped, so a partial reproduction says what is missing. A table over several models or
+datasets (DP-SAT Table 3) gives each cell its own upstream and task; it is shown as one block
+per (upstream, task), in the order the cells first name them.
 """
 
 from __future__ import annotations
@@ -14,10 +16,12 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 
-from dpadapter.config import ReferenceConfig
+from dpadapter.config import ReferenceCell, ReferenceConfig
 from dpadapter.tables import write_csv
 
 COLUMNS = [
+    "upstream",
+    "task",
     "algorithm",
     "epsilon",
     "paper_mean",
@@ -36,22 +40,21 @@ def err(baseline: float | None, improved: float | None) -> float | None:
     return 100 * ((100 - baseline) - (100 - improved)) / (100 - baseline)
 
 
-def _ours(rows: list[dict], ref: ReferenceConfig) -> dict[tuple[str, float], dict]:
-    out = {}
-    for r in rows:
-        if r["upstream"] == ref.upstream and r["task"] == ref.task:
-            out[(r["algorithm"], float(r["epsilon"]))] = r
-    return out
+def _where(c: ReferenceCell, ref: ReferenceConfig) -> tuple[str, str]:
+    return c.upstream or ref.upstream, c.task or ref.task
 
 
 def compare(rows: list[dict], ref: ReferenceConfig) -> list[dict]:
-    ours = _ours(rows, ref)
+    ours = {(r["upstream"], r["task"], r["algorithm"], float(r["epsilon"])): r for r in rows}
     table = []
     for c in ref.cells:
-        mine = ours.get((c.algorithm, float(c.epsilon)))
+        upstream, task = _where(c, ref)
+        mine = ours.get((upstream, task, c.algorithm, float(c.epsilon)))
         mean = 100 * float(mine["mean_accuracy"]) if mine else None
         table.append(
             {
+                "upstream": upstream,
+                "task": task,
                 "algorithm": c.algorithm,
                 "epsilon": float(c.epsilon),
                 "paper_mean": c.mean,
@@ -73,16 +76,39 @@ def _pm(mean: float | None, std: float | None, n: int | None = None) -> str:
 
 
 def markdown(table: list[dict], ref: ReferenceConfig) -> str:
+    blocks = list(dict.fromkeys((r["upstream"], r["task"]) for r in table))
     algos = list(dict.fromkeys(r["algorithm"] for r in table))
-    epsilons = sorted({r["epsilon"] for r in table})
-    cell = {(r["algorithm"], r["epsilon"]): r for r in table}
+    lines = [f"# {ref.name}", ""]
+    if len(blocks) == 1:
+        upstream, task = blocks[0]
+        lines += [
+            f"Source: {ref.source}. Ours: `{upstream}` → `{task}`, test accuracy % "
+            "(mean ± std over seeds). ERR: error-rate reduction of "
+            f"{ref.improved} over {ref.baseline}.",
+            "",
+        ]
+    else:
+        lines += [
+            f"Source: {ref.source}. Ours: test accuracy % (mean ± std over seeds), one table "
+            f"per upstream and task. ERR: error-rate reduction of {ref.improved} over "
+            f"{ref.baseline}.",
+            "",
+        ]
+    for upstream, task in blocks:
+        if len(blocks) > 1:
+            lines += [f"## `{upstream}` → `{task}`", ""]
+        rows = [r for r in table if (r["upstream"], r["task"]) == (upstream, task)]
+        lines += _block(rows, algos, ref)
+        lines.append("")
+    if ref.notes:
+        lines.append(ref.notes)
+    return "\n".join(lines).rstrip("\n") + "\n"
+
+
+def _block(rows: list[dict], algos: list[str], ref: ReferenceConfig) -> list[str]:
+    epsilons = sorted({r["epsilon"] for r in rows})
+    cell = {(r["algorithm"], r["epsilon"]): r for r in rows}
     lines = [
-        f"# {ref.name}",
-        "",
-        f"Source: {ref.source}. Ours: `{ref.upstream}` → `{ref.task}`, test accuracy % "
-        "(mean ± std over seeds). ERR: error-rate reduction of "
-        f"{ref.improved} over {ref.baseline}.",
-        "",
         "| ε | "
         + " | ".join(f"{a} (paper) | {a} (ours)" for a in algos)
         + " | ERR paper | ERR ours |",
@@ -99,9 +125,7 @@ def markdown(table: list[dict], ref: ReferenceConfig) -> str:
         e_ours = err(b and b["ours_mean"], i and i["ours_mean"])
         fmt = lambda v: "–" if v is None else f"{v:.2f}%"  # noqa: E731
         lines.append(f"| {e:g} | " + " | ".join(parts) + f" | {fmt(e_paper)} | {fmt(e_ours)} |")
-    if ref.notes:
-        lines += ["", ref.notes]
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def run(finetune_csv: Path, ref: ReferenceConfig, out_csv: Path, out_md: Path) -> list[dict]:

@@ -32,7 +32,15 @@ def sample_rate(batch_size: int, n_train: int, rule: str) -> float:
     raise ValueError(f"unknown finetune.sample_rate_from {rule!r}")
 
 
-def run_spec(cfg: Config, algo: str, eps: float, n_train: int) -> DPRunSpec:
+def run_spec(
+    cfg: Config,
+    algo: str,
+    eps: float,
+    n_train: int,
+    upstream: str | None = None,
+    task: str | None = None,
+) -> DPRunSpec:
+    """The run of `algo` at `eps`; its params are those for (upstream, task) when given."""
     ft = cfg.finetune
     if ft.batch_size > n_train:
         raise ValueError(
@@ -52,7 +60,7 @@ def run_spec(cfg: Config, algo: str, eps: float, n_train: int) -> DPRunSpec:
         else round(n_train * q),
         max_grad_norm=ft.max_grad_norm,
         accountant=cfg.privacy.accountant,
-        params=dict(ft.algo_params.get(algo, {})),
+        params=ft.params_of(algo, upstream, task),
         calibration_cache=str(Path(cfg.results_dir) / ".cache" / "sigma.json"),
     )
 
