@@ -250,10 +250,11 @@ def test_snakemake_refuses_a_missing_base_before_any_job(tmp_path):
 def test_algo_params_for_overrides_per_upstream_and_task():
     """DP-SAT Table 3 tunes the radius per model and dataset: entries apply in order, key by
     key, on top of finetune.algo_params, and only to the jobs they name."""
-    from dpadapter.validation import validate
     import copy
 
     from tiny_config import TINY_RAW
+
+    from dpadapter.validation import validate
 
     tiny_raw = lambda: copy.deepcopy(TINY_RAW)  # noqa: E731
 
