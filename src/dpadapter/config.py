@@ -140,6 +140,7 @@ class FinetuneConfig:
     epochs: int = 10
     lr: float = 0.5
     momentum: float = 0.0
+    optimizer: str = "sgd"  # sgd (with momentum) or adam: what the DP optimizer wraps
     max_grad_norm: float = 1.0
     grad_sample_mode: str = "ew"
     physical_batch_size: int | None = None

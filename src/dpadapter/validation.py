@@ -218,6 +218,11 @@ def _name_problems(cfg: Config) -> list[str]:
         )
         problems += _missing(f"{where}.upstreams", g.upstreams, cfg.upstreams, NOT_METHOD)
         problems += _missing(f"{where}.tasks", g.tasks, cfg.tasks, "unknown task {}")
+    if cfg.finetune.optimizer == "adam" and cfg.finetune.momentum:
+        problems.append(
+            "finetune.momentum: adam has no momentum setting (its betas are torch's defaults); "
+            "set momentum: 0 or optimizer: sgd"
+        )
     for i, entry in enumerate(cfg.finetune.algo_params_for):
         where = f"finetune.algo_params_for.{i}"
         problems += _missing(f"{where}.upstreams", entry.upstreams, cfg.upstreams, NOT_METHOD)

@@ -40,6 +40,10 @@ class FitSettings:
     pad_batches: bool | str
     device: str
     tf32: bool
+    # The base optimizer the DP optimizer wraps: "sgd" (with `momentum`) or "adam" (DP-Adam:
+    # Adam's moments of the privatised gradient, post-processing; DP-SAT Table 3 fine-tunes
+    # with it), with torch's default betas and eps.
+    optimizer: str = "sgd"
 
     @classmethod
     def from_config(cls, cfg: Config, lr: float | None = None) -> FitSettings:
@@ -52,7 +56,16 @@ class FitSettings:
             pad_batches=ft.pad_batches,
             device=cfg.device,
             tf32=cfg.tf32,
+            optimizer=ft.optimizer,
         )
+
+
+def base_optimizer(settings: FitSettings, params) -> torch.optim.Optimizer:
+    if settings.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=settings.lr, momentum=settings.momentum)
+    if settings.optimizer == "adam":
+        return torch.optim.Adam(params, lr=settings.lr)
+    raise ValueError(f"unknown finetune.optimizer {settings.optimizer!r}; known: sgd, adam")
 
 
 def dp_fit(
@@ -111,7 +124,7 @@ def dp_fit(
     needs_samples = algo.needs_per_sample_gradients
     gsm = wrap_for_dp(model, settings.grad_sample_mode, needs_samples)
     algo.grad_sample_mode = effective_mode(settings.grad_sample_mode, needs_samples)
-    base_opt = torch.optim.SGD(gsm.parameters(), lr=settings.lr, momentum=settings.momentum)
+    base_opt = base_optimizer(settings, gsm.parameters())
     optimizer = bind_optimizer(algo.make_optimizer(base_opt), gsm)
     sample_gen = torch.Generator().manual_seed(20_000 + seed)
     pad = padding(settings.pad_batches, settings.physical_batch_size, dev, spec)
