@@ -153,7 +153,7 @@ class FinetuneConfig:
     extra_grids: tuple[GridConfig, ...] = ()
     algo_params: dict[str, dict[str, Any]] = field(default_factory=dict)
     algo_params_for: tuple[ParamsFor, ...] = ()
-    strategy: str = "ft"  # dpadapter.strategies: ft (all params), ht (head only), ut (HT, FT)
+    strategy: str = "ft"  # dpadapter.strategies: ft (all), ht (head), ut (HT, FT), bitfit
     ut_t1_fraction: float = 0.5  # ut: share of the steps that are head-tuning
 
     def params_of(
@@ -199,7 +199,7 @@ class HPOConfig:
     # linear head on frozen features, full-batch DP-GD with `momentum`, at every
     # `target_epsilons` budget, the oracle over `oracle_seeds` training seeds per grid point.
     regime: str = "linear-probe"
-    strategy: str | None = None  # network regime: ft/ht/ut; None = finetune.strategy
+    strategy: str | None = None  # network regime: ft/ht/ut/bitfit; None = finetune.strategy
     target_epsilons: tuple[float, ...] = (1.0,)  # the paper's total budget; sweeps must be below
     oracle_seeds: int = 3
     momentum: float = 0.9
@@ -261,11 +261,12 @@ def _fed_laplace() -> FedMechanismConfig:
 class FederatedConfig:
     """DP federated fine-tuning (Pretrain-DPFL): FedSGD/FedAvg over Dirichlet-split clients.
 
-    Grid: each pre-trained upstream x {ht, ft, ut}, plus `scratch` (FT from the random-init
-    checkpoint), x mechanism x its epsilons x seeds, at `rounds` rounds; `rounds_sweep` adds
-    the same strategies at other round counts, at `sweep_epsilons[mechanism]`. `ut_t1` is
-    "rule" (Theorems 2-3 from privately estimated constants; the mechanism's
-    `estimate_fraction` of the budget pays for the estimate) or a fraction of the rounds.
+    Grid: each pre-trained upstream x `strategies` (ht, ft, ut; bitfit on request), plus
+    `scratch` (FT from the random-init checkpoint), x mechanism x its epsilons x seeds, at
+    `rounds` rounds; `rounds_sweep` adds the same strategies at other round counts, at
+    `sweep_epsilons[mechanism]`. `ut_t1` is "rule" (Theorems 2-3 from privately estimated
+    constants; the mechanism's `estimate_fraction` of the budget pays for the estimate) or a
+    fraction of the rounds.
     """
 
     task: str | None = None

@@ -30,7 +30,7 @@ from dpadapter.config import (
     validate_raw,
 )
 from dpadapter.config import from_dict as _parse
-from dpadapter.data import DATASET_INFO, missing_files
+from dpadapter.data import DATASET_INFO, family_of, missing_files, resolve_dataset
 from dpadapter.models import MODEL_NAMES, create_model
 from dpadapter.param_schema import param_errors
 from dpadapter.privacy import max_reachable_epsilon
@@ -90,7 +90,8 @@ def validate(raw: dict[str, Any], check_files: bool = False) -> Config:
     raw = copy.deepcopy(raw)
     validate_raw(raw, _full_schema())
     cfg = _parse(raw, validate=False)
-    problems = _name_problems(cfg)
+    problems = _dataset_family_problems(cfg)
+    problems += _name_problems(cfg)
     problems += _hpo_problems(cfg)
     problems += _federated_problems(cfg)
     problems += _data_problems(cfg)
@@ -173,6 +174,19 @@ def file_problems(cfg: Config) -> list[str]:
 # --- names ---------------------------------------------------------------------------------
 
 
+def _dataset_family_problems(cfg: Config) -> list[str]:
+    """Datasets named `<family>:<spec>` (imagefolder:<path>@<side>) are registered from what
+    `data.root` holds now (their class counts), or reported with the path they lack."""
+    out, seen = [], set()
+    for where, split in _roles(cfg):
+        if split.dataset not in seen:
+            seen.add(split.dataset)
+            problem = resolve_dataset(split.dataset, cfg.data.root)
+            if problem:
+                out.append(f"{where}.dataset: {problem}")
+    return out
+
+
 def _roles(cfg: Config) -> list[tuple[str, SplitConfig]]:
     return [("public", cfg.public)] + [(f"tasks.{n}", t) for n, t in cfg.tasks.items()]
 
@@ -189,7 +203,7 @@ def _name_problems(cfg: Config) -> list[str]:
     """Names resolved against the registries and the config's own lists."""
     problems = []
     for where, split in _roles(cfg):
-        if split.dataset not in DATASET_INFO:
+        if split.dataset not in DATASET_INFO and family_of(split.dataset) is None:
             problems.append(
                 f"{where}.dataset: unknown dataset {split.dataset!r}; known: {sorted(DATASET_INFO)}"
             )

@@ -310,7 +310,7 @@ def test_fit_stage_floors_a_negative_slope_when_monotone(tmp_path):
     assert floored["final"]["lr"] * floored["final"]["steps"] == pytest.approx(11.0)
 
 
-@pytest.mark.parametrize("strategy,backbone_moves", [("ht", False), ("ft", True)])
+@pytest.mark.parametrize("strategy,backbone_moves", [("ht", False), ("ft", True), ("bitfit", True)])
 def test_hpo_runs_train_what_hpo_strategy_says(tmp_path, strategy, backbone_moves):
     import torch
 
@@ -338,4 +338,7 @@ def test_hpo_runs_train_what_hpo_strategy_says(tmp_path, strategy, backbone_move
     after = {k: v for k, v in res.model.state_dict().items() if k in before}
     moved = any(not torch.equal(before[k], after[k]) for k in before)
     assert moved == backbone_moves
+    if strategy == "bitfit":  # the backbone's biases and nothing else of it
+        moved_keys = {k for k in before if not torch.equal(before[k], after[k])}
+        assert moved_keys == {k for k in before if k.endswith(".bias")}
     assert ckpt is not None

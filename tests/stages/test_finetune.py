@@ -132,3 +132,36 @@ def test_bookkeeping_mode_runs_the_stage_and_records_what_ran(
     b = torch.load(tmp_path / "bk" / "model.pt", weights_only=True)["state_dict"]
     for k in a:
         assert torch.allclose(a[k].float(), b[k].float(), rtol=1e-4, atol=1e-5), k
+
+
+@pytest.mark.parametrize("strategy", ["ft", "ut", "bitfit"])
+def test_metrics_json_records_each_phase_and_its_released_dim(
+    tiny_cfg, scratch_ckpt, tmp_path, strategy
+):
+    """What each phase released; BiTFiT moves the backbone's biases and nothing else of it."""
+    from dataclasses import replace
+
+    from dpadapter.models import create_model, replace_head
+    from dpadapter.strategies import released_dim
+
+    cfg = replace(
+        tiny_cfg,
+        finetune=replace(tiny_cfg.finetune, strategy=strategy, ut_t1_fraction=0.5, epochs=1),
+    )
+    m = _run(cfg, scratch_ckpt, tmp_path / strategy)
+    steps = m["privacy"]["steps"]
+    model = create_model(cfg.model, 5, 1, seed=0)
+    replace_head(model, 5, 0)
+    first = {"ft": "ft", "ut": "ht", "bitfit": "bitfit"}[strategy]
+    phases = m["privacy"]["phases"]
+    assert phases[0]["phase"] == first and phases[0]["start"] == 0
+    assert sum(ph["steps"] for ph in phases) == steps
+    assert [ph["phase"] for ph in phases] == (["ht", "ft"] if strategy == "ut" else [first])
+    for ph in phases:
+        assert ph["released_dim"] == released_dim(model, ph["phase"])
+    assert m["hyperparameters"]["strategy"] == strategy
+    if strategy == "bitfit":
+        pre = torch.load(scratch_ckpt)["state_dict"]
+        post = torch.load(tmp_path / strategy / "model.pt")["state_dict"]
+        moved = {k for k in pre if not k.startswith("head") and not torch.equal(pre[k], post[k])}
+        assert moved == {k for k in pre if k.endswith(".bias") and not k.startswith("head")}

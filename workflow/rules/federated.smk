@@ -1,4 +1,4 @@
-# DP federated fine-tuning (Pretrain-DPFL): {upstream} x {scratch, ht, ft, ut} x {mechanism} x
+# DP federated fine-tuning (Pretrain-DPFL): {upstream} x federated.strategies x {mechanism} x
 # {eps} x {rounds} x {seed}; `scratch` runs once on the random-init checkpoint. Not part of `all`:
 # `snakemake federated` (or `make federated`) builds it.
 
@@ -16,7 +16,7 @@ rule federated_run:
     output:
         metrics=f"{RESULTS}/federated/{{upstream}}/{{strategy}}/{{mechanism}}/eps{{eps}}/T{{rounds}}/seed{{seed}}/metrics.json",
     wildcard_constraints:
-        strategy="scratch|ht|ft|ut",
+        strategy="scratch|ht|ft|ut|bitfit",
         mechanism="gaussian|laplace",
         rounds="[0-9]+",
     params:

@@ -1,3 +1,4 @@
+from dpadapter.data import imagefolder as _imagefolder  # noqa: F401  (registers its family)
 from dpadapter.data import sources as _sources  # noqa: F401  (registers the loaders)
 from dpadapter.data.registry import (
     DATASET_INFO,
@@ -5,9 +6,11 @@ from dpadapter.data.registry import (
     ArraySplit,
     DatasetInfo,
     DatasetUnavailable,
+    family_of,
     load_dataset,
     missing_files,
     register_dataset,
+    resolve_dataset,
 )
 from dpadapter.data.tasks import RoleData, SplitPlan, build_splits, public_train
 
@@ -20,8 +23,10 @@ __all__ = [
     "RoleData",
     "SplitPlan",
     "build_splits",
+    "family_of",
     "public_train",
     "load_dataset",
     "missing_files",
     "register_dataset",
+    "resolve_dataset",
 ]

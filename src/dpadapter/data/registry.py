@@ -2,11 +2,17 @@
 
 Everything downstream (task carving, normalisation, loaders) works on uint8 image tensors, so a
 new dataset is one small function registered here.
+
+A family of datasets named `<prefix>:<spec>` (`imagefolder:<path>@<side>`, a user's folder)
+cannot list its class counts statically: `register_family` gives a resolver that reads them
+from `data.root` when a config is validated or a dataset loaded (`resolve_dataset`), and
+(re)registers the name from that reading.
 """
 
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -73,28 +79,70 @@ def register_dataset(name: str, info: DatasetInfo) -> Callable[[Loader], Loader]
     return deco
 
 
+Resolver = Callable[[str, Path], tuple[Loader, DatasetInfo]]
+FAMILIES: dict[str, Resolver] = {}
+
+
+def register_family(prefix: str, resolver: Resolver) -> Resolver:
+    """`resolver(spec, root)` -> (loader, info) for the name `prefix:spec`; it raises
+    DatasetUnavailable (or ValueError for a malformed spec) with a message naming the path."""
+    if prefix in FAMILIES:
+        raise KeyError(f"dataset family {prefix!r} registered twice")
+    FAMILIES[prefix] = resolver
+    return resolver
+
+
+def family_of(name: str) -> str | None:
+    prefix, sep, _ = name.partition(":")
+    return prefix if sep and prefix in FAMILIES else None
+
+
+def resolve_dataset(name: str, root: str | Path) -> str | None:
+    """For a family name, (re)register it as found under `root`; return why it cannot be, or
+    None (also for a plain name, whose entry is static)."""
+    family = family_of(name)
+    if family is None:
+        return None
+    DATASETS.pop(name, None)  # a reading under another root must not linger
+    DATASET_INFO.pop(name, None)
+    try:
+        loader, info = FAMILIES[family](name.partition(":")[2], Path(root))
+    except (DatasetUnavailable, ValueError) as exc:
+        return str(exc)
+    DATASETS[name] = loader
+    DATASET_INFO[name] = info
+    return None
+
+
 def cache_path(name: str, root: str | Path) -> Path:
-    return Path(root) / ".cache" / f"{name}.pt"
+    # a family name holds a path: keep the cache one flat file (plain names are unchanged)
+    return Path(root) / ".cache" / f"{re.sub(r'[^A-Za-z0-9._-]', '_', name)}.pt"
 
 
 def missing_files(name: str, root: str | Path, download: bool) -> str | None:
     """None if `load_dataset(name, root, download)` will find its data, else why it will not."""
     if cache_path(name, root).is_file():
         return None
+    problem = resolve_dataset(name, root)
+    if problem is not None:
+        return problem
     return DATASET_INFO[name].missing(Path(root), download)
 
 
 def load_dataset(
     name: str, root: str | Path, download: bool = False
 ) -> tuple[ArraySplit, ArraySplit]:
-    try:
-        loader = DATASETS[name]
-    except KeyError:
-        raise KeyError(f"unknown dataset {name!r}; known: {sorted(DATASETS)}") from None
     cache = cache_path(name, root)
     if cache.is_file():
         d = torch.load(cache, weights_only=True)
         return ArraySplit(*d["train"]), ArraySplit(*d["test"])
+    problem = resolve_dataset(name, root)
+    if problem is not None:
+        raise DatasetUnavailable(problem)
+    try:
+        loader = DATASETS[name]
+    except KeyError:
+        raise KeyError(f"unknown dataset {name!r}; known: {sorted(DATASETS)}") from None
     train, test = loader(Path(root), download)
     # Decoding idx/pickle/mat files costs a second or more in every job; a tensor file is ~10x
     # faster. Delete data/.cache to rebuild it after changing the source files.

@@ -29,6 +29,7 @@ STYLE = {
     "ht": ("tab:blue", "o", "HT"),
     "ft": ("tab:orange", "s", "FT"),
     "ut": ("tab:green", "^", "UT (T1 rule)"),
+    "bitfit": ("tab:purple", "D", "BiTFiT"),
 }
 
 

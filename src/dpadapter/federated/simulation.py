@@ -2,7 +2,8 @@
 
 Each round t every client starts from the global model, runs `local_steps` DP steps on its own
 data (Poisson-sampled Gaussian or full-batch Laplace, see `mechanisms`) on the parameters the
-strategy trains in that round's phase (head only in HT, all in FT), and the server sets the
+strategy trains in that round's phase (head only in HT, all in FT, biases and head in BiTFiT),
+and the server sets the
 global parameters to the d_i/d-weighted mean of the clients' results. With one local step and
 plain SGD this is FedSGD: theta - lr * sum_i (d_i/d) g~_i. More local steps give FedAvg.
 

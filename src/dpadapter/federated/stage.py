@@ -40,14 +40,14 @@ from dpadapter.federated.simulation import Client, Federation, MechanismRun
 from dpadapter.job import seed_everything, training_job
 from dpadapter.models import replace_head
 from dpadapter.privacy import Segment, calibrate_sigma
-from dpadapter.strategies import FT, apply_phase, get_strategy, released_dims
+from dpadapter.strategies import FT, PHASES, apply_phase, get_strategy, released_dims
 from dpadapter.train.batching import wants_padding
 from dpadapter.train.checkpoint import load_model
 from dpadapter.train.loops import evaluate
 from dpadapter.train.per_sample import effective_mode, wrap_for_dp
 from dpadapter.train.progress import ProgressLine
 
-STRATEGY_NAMES = ("scratch", "ht", "ft", "ut")
+STRATEGY_NAMES = ("scratch", "ht", "ft", "ut", "bitfit")
 DP_LEVEL_NOTE = (
     "sample-level: each client clips and noises its own updates and keeps its own accountant; "
     "an example's guarantee is its client's epsilon, and since every example belongs to exactly "
@@ -254,7 +254,9 @@ def run(
                     )
                     federation.schedule = schedule
             on_round(federation.round(t))
-        dims = released_dims(model)
+        # HT's and FT's dimensions always (the T1 rule's n and p + n), and any other phase run
+        run_phases = [ph["phase"] for ph in schedule.phases()]
+        dims = released_dims(model, (*PHASES, *(p for p in run_phases if p not in PHASES)))
         for p in model.parameters():
             p.requires_grad_(True)
 

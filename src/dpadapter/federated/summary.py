@@ -67,7 +67,7 @@ def collect(paths: list[Path]) -> tuple[list[dict], dict[tuple, list[str]]]:
     return rows, dict(preds)
 
 
-_STRATEGY_ORDER = {"scratch": 0, "ht": 1, "ft": 2, "ut": 3}
+_STRATEGY_ORDER = {"scratch": 0, "ht": 1, "ft": 2, "ut": 3, "bitfit": 4}
 
 
 def _order(item):
@@ -215,7 +215,13 @@ def _assumption_summary(cells: list[dict]) -> dict:
     return out
 
 
-STRATEGY_LABELS = {"scratch": "scratch", "ht": "HT (head)", "ft": "FT (full)", "ut": "UT (rule)"}
+STRATEGY_LABELS = {
+    "scratch": "scratch",
+    "ht": "HT (head)",
+    "ft": "FT (full)",
+    "ut": "UT (rule)",
+    "bitfit": "BiTFiT (biases + head)",
+}
 
 
 def markdown(rows: list[dict], report: dict) -> str:

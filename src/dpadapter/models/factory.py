@@ -8,6 +8,7 @@ from torch import nn
 from dpadapter.config import ModelConfig
 from dpadapter.models.dpnas import DPNASMNIST
 from dpadapter.models.nets import ResNet20GN, SmallCNN
+from dpadapter.models.pretrain_dpfl import PretrainDPFLCNN
 from dpadapter.models.resnet10 import GNResNet10
 
 MODEL_NAMES = {
@@ -15,6 +16,7 @@ MODEL_NAMES = {
     "cnn-gn": SmallCNN,
     "gnresnet10": GNResNet10,
     "dpnas-mnist": DPNASMNIST,
+    "dpfl-cnn": PretrainDPFLCNN,
 }
 
 

@@ -18,7 +18,7 @@ from dpadapter.config import Config
 from dpadapter.data import build_splits, public_train
 from dpadapter.job import seed_everything, training_job
 from dpadapter.models import replace_head
-from dpadapter.strategies import get_strategy, released_dims
+from dpadapter.strategies import get_strategy, released_dim
 from dpadapter.train.checkpoint import load_model, save_model
 from dpadapter.train.dp_fit import FitSettings, dp_fit, privacy_record
 from dpadapter.train.dp_spec import run_spec
@@ -131,7 +131,7 @@ def run(
                     **privacy_record(spec, ledger, eps, epsilon),
                     "validation_use": "reported only; selects nothing, so it is not charged",
                     "phases": [
-                        {**ph, "released_dim": released_dims(model)[ph["phase"]]}
+                        {**ph, "released_dim": released_dim(model, ph["phase"])}
                         for ph in schedule.phases()
                     ],
                     **({"mechanism_note": algo.mechanism_note} if algo.mechanism_note else {}),
