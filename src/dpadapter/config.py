@@ -49,6 +49,9 @@ class SplitConfig:
     # the training data is test_split: train (configs/dpsat-table2*.yaml).
     train_split: str = "train"
     test_split: str = "test"
+    # Replicate 1-channel images to this many channels (null: as the source); e.g. 3 for a
+    # grey task on an RGB backbone (Pretrain-DPFL's Fashion-MNIST as 3x32x32).
+    channels: int | None = None
 
 
 @dataclass(frozen=True)

@@ -392,6 +392,34 @@ def _data_problems(cfg: Config) -> list[str]:
 
             members = [(w, s) for w, s in group if demand(s)]
             out += _pool_problems(members, pool, counts, demand, what, dataset)
+    return out + _channel_problems(roles)
+
+
+def _channel_problems(roles: list[tuple[str, SplitConfig]]) -> list[str]:
+    """Every role must reach the model with the public set's channels (one model for all)."""
+
+    def channels(split: SplitConfig) -> int | None:
+        own = DATASET_INFO[split.dataset].channels
+        if own is None or split.channels is None or own == split.channels:
+            return own
+        return split.channels if own == 1 else -own  # -own: cannot be converted
+
+    out, public = [], None
+    for where, split in roles:
+        c = channels(split)
+        if c is not None and c < 0:
+            out.append(
+                f"{where}.channels: {split.dataset} has {-c}-channel images; only 1-channel "
+                "images can be replicated"
+            )
+        elif where == "public":
+            public = c
+        elif c is not None and public is not None and c != public:
+            hint = f"; set {where}.channels: {public}" if c == 1 else ""
+            out.append(
+                f"{where}: {split.dataset} gives {c}-channel images, the public set "
+                f"{public}-channel ones{hint}"
+            )
     return out
 
 

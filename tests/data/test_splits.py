@@ -100,3 +100,30 @@ def test_test_examples_carved_from_the_training_split(tiny_raw, tmp_path, monkey
 
     train_pool, _ = load_dataset("synthetic", "data")
     assert torch.equal(roles["syn-same"].test.tensors[1], train_pool.labels[a.test])
+
+
+def test_grey_roles_replicated_to_rgb_and_mismatches_refused_before_any_job(
+    tiny_raw, tmp_path, monkeypatch
+):
+    """Pretrain-DPFL feeds Fashion-MNIST to an RGB backbone as 3x32x32: `channels: 3` repeats
+    the grey value in each channel (then normalises per channel with public statistics); a
+    role whose channels differ from the public set's is refused at validation, naming the key."""
+    from dpadapter.config import ConfigError
+    from dpadapter.validation import validate
+
+    monkeypatch.chdir(tmp_path)
+    _, grey = build_splits(from_dict(tiny_raw), ["syn-same"])
+    tiny_raw["public"]["channels"] = 3
+    tiny_raw["data"]["image_size"] = 20
+    with pytest.raises(ConfigError, match=r"tasks\.syn-same: .*set tasks\.syn-same\.channels: 3"):
+        validate(tiny_raw)
+    for t in tiny_raw["tasks"].values():
+        t["channels"] = 3
+    plan, roles = build_splits(validate(tiny_raw), ["syn-same"])
+    x = roles["syn-same"].train.tensors[0]
+    assert plan.in_chans == 3 and x.shape[1:] == (3, 20, 20)
+    raw = x * plan.std.view(1, -1, 1, 1) + plan.mean.view(1, -1, 1, 1)
+    assert torch.allclose(raw[:, 0], raw[:, 1], atol=1e-5)
+    assert torch.allclose(raw[:, 0], raw[:, 2], atol=1e-5)
+    # the same examples as the grey run, resized
+    assert torch.equal(roles["syn-same"].train.tensors[1], grey["syn-same"].train.tensors[1])

@@ -122,7 +122,7 @@ def resolve(spec: str, root: Path):
         cls, sp = read_listing(root_ / path)
         return tuple(_read_split(root_ / path, s, cls, sp[s], side) for s in SPLITS)
 
-    return loader, DatasetInfo(counts["train"], counts["val"])
+    return loader, DatasetInfo(counts["train"], counts["val"], channels=3)  # RGB-converted
 
 
 register_family(PREFIX, resolve)

@@ -59,6 +59,7 @@ class DatasetInfo:
     train_counts: tuple[int, ...]
     test_counts: tuple[int, ...]
     missing: Callable[[Path, bool], str | None] = lambda root, download: None
+    channels: int | None = None  # of its images (None: not known before loading)
 
     @property
     def num_classes(self) -> int:

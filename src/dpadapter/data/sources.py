@@ -115,7 +115,9 @@ _SVHN_TRAIN = (4948, 13861, 10585, 8497, 7458, 6882, 5727, 5595, 5045, 4659)
 _SVHN_TEST = (1744, 5099, 4149, 2882, 2523, 2384, 1977, 2019, 1660, 1595)
 
 
-@register_dataset("fashion-mnist", DatasetInfo((6000,) * 10, (1000,) * 10, fashion_mnist_missing))
+@register_dataset(
+    "fashion-mnist", DatasetInfo((6000,) * 10, (1000,) * 10, fashion_mnist_missing, channels=1)
+)
 def fashion_mnist(root: Path, download: bool) -> tuple[ArraySplit, ArraySplit]:
     prepare_fashion_mnist(root, download)
     tv = import_torchvision()
@@ -148,7 +150,7 @@ def _torchvision_pair(
 
 @register_dataset(
     "cifar10",
-    DatasetInfo((5000,) * 10, (1000,) * 10, _torchvision_missing("cifar10", _CIFAR10_FILES)),
+    DatasetInfo((5000,) * 10, (1000,) * 10, _torchvision_missing("cifar10", _CIFAR10_FILES), 3),
 )
 def cifar10(root: Path, download: bool):
     return _torchvision_pair(
@@ -166,7 +168,7 @@ def cifar10(root: Path, download: bool):
 
 @register_dataset(
     "cifar100",
-    DatasetInfo((500,) * 100, (100,) * 100, _torchvision_missing("cifar100", _CIFAR100_FILES)),
+    DatasetInfo((500,) * 100, (100,) * 100, _torchvision_missing("cifar100", _CIFAR100_FILES), 3),
 )
 def cifar100(root: Path, download: bool):
     return _torchvision_pair(
@@ -183,7 +185,7 @@ def cifar100(root: Path, download: bool):
 
 
 @register_dataset(
-    "svhn", DatasetInfo(_SVHN_TRAIN, _SVHN_TEST, _torchvision_missing("svhn", _SVHN_FILES))
+    "svhn", DatasetInfo(_SVHN_TRAIN, _SVHN_TEST, _torchvision_missing("svhn", _SVHN_FILES), 3)
 )
 def svhn(root: Path, download: bool):
     return _torchvision_pair(
@@ -201,7 +203,7 @@ def svhn(root: Path, download: bool):
 
 @register_dataset(
     "stl10",
-    DatasetInfo((500,) * 10, (800,) * 10, _torchvision_missing("stl10", _STL10_FILES)),
+    DatasetInfo((500,) * 10, (800,) * 10, _torchvision_missing("stl10", _STL10_FILES), 3),
 )
 def stl10(root: Path, download: bool):
     return _torchvision_pair(
@@ -218,7 +220,7 @@ def stl10(root: Path, download: bool):
 
 
 # labels are arange(n) % 10 of the default sizes: exactly 300 / 100 per class.
-@register_dataset("synthetic", DatasetInfo((300,) * 10, (100,) * 10))
+@register_dataset("synthetic", DatasetInfo((300,) * 10, (100,) * 10, channels=1))
 def synthetic(root: Path, download: bool, n_train: int = 3000, n_test: int = 1000):
     """Ten classes of 1x16x16 images: a fixed random template per class plus pixel noise.
 

@@ -122,10 +122,18 @@ def allocate(cfg: Config, pools: dict[str, tuple[ArraySplit, ArraySplit]]) -> di
     return out
 
 
-def _to_float(images: torch.Tensor, image_size: int | None) -> torch.Tensor:
+def _to_float(
+    images: torch.Tensor, image_size: int | None, channels: int | None = None
+) -> torch.Tensor:
     x = images.float().div_(255.0)
     if image_size is not None and x.shape[-1] != image_size:
         x = F.interpolate(x, size=(image_size, image_size), mode="bilinear", align_corners=False)
+    if channels is not None and x.shape[1] != channels:
+        if x.shape[1] != 1:
+            raise SplitError(f"cannot turn {x.shape[1]}-channel images into {channels} channels")
+        # A grey image as an RGB one (Pretrain-DPFL feeds Fashion-MNIST to an ImageNet
+        # backbone as 3x32x32): the same value in every channel, a public transformation.
+        x = x.expand(-1, channels, -1, -1).contiguous()
     return x
 
 
@@ -154,7 +162,7 @@ def build_splits(
     pub = allocs["public"]
     pub_train = _split_pool(pools, pub.dataset, pub.train_split).images[pub.train]
     image_size = cfg.data.image_size or int(pub_train.shape[-1])
-    x_pub = _to_float(pub_train, image_size)
+    x_pub = _to_float(pub_train, image_size, cfg.public.channels)
     in_chans = int(x_pub.shape[1])
     if cfg.data.normalization is None:
         mean = x_pub.mean(dim=(0, 2, 3))
@@ -176,12 +184,13 @@ def build_splits(
         train_pool = _split_pool(pools, a.dataset, a.train_split)
         test_pool = _split_pool(pools, a.dataset, a.test_split)
         parts = []
+        channels = (cfg.public if name == "public" else cfg.tasks[name]).channels
         for pool, idx in ((train_pool, a.train), (train_pool, a.val), (test_pool, a.test)):
-            x = _to_float(pool.images[idx], image_size)
+            x = _to_float(pool.images[idx], image_size, channels)
             if x.shape[1] != in_chans:
                 raise SplitError(
                     f"{name}: images have {x.shape[1]} channels, the public set {in_chans}; "
-                    "choose datasets with matching channels"
+                    f"choose datasets with matching channels or set tasks.{name}.channels"
                 )
             x = (x - mean.view(1, -1, 1, 1)) / std.view(1, -1, 1, 1)
             parts.append(TensorDataset(x, _relabel(pool.labels[idx], a.classes)))
