@@ -157,6 +157,8 @@ def test_missing_files_are_reported_with_the_loaders_message(tmp_path, tiny_raw)
     assert missing_files("cifar10", tmp_path, download=True) is None
     tiny_raw["data"]["root"] = str(tmp_path)
     tiny_raw["tasks"]["syn-shift"]["dataset"] = "cifar10"
+    for role in (tiny_raw["public"], tiny_raw["tasks"]["syn-same"]):
+        role["channels"] = 3  # the grey roles as RGB, as cifar10's
     validate(tiny_raw)  # the file check is the workflow's (check_files=True)
     with pytest.raises(ConfigError, match=r"tasks\.syn-shift\.dataset: dataset 'cifar10'"):
         validate(tiny_raw, check_files=True)
