@@ -329,3 +329,29 @@ def test_fp16_refuses_when_the_forward_overflows(monkeypatch):
 def test_precision_names_are_checked():
     with pytest.raises(ValueError, match="finetune.precision"):
         Precision("fp8")
+
+
+def test_loss_scale_is_part_of_the_resume_state():
+    """A resumed fp16 run scales as the uninterrupted one; fp32/bf16 states gain no key (the
+    default run's resume state is unchanged)."""
+    assert Precision("fp32").state_dict() == {} == Precision("bf16").state_dict()
+    a = Precision("fp16")
+    a.scaler.overflowed()
+    for _ in range(5):
+        a.scaler.clean()
+    b = Precision("fp16")
+    b.load_state_dict(copy.deepcopy(a.state_dict()))
+    assert b.describe() == a.describe()
+    assert (b.scaler._clean, b.scaler._batches) == (5, 5)
+
+
+def test_precision_is_validated_before_any_job(tiny_raw):
+    from dpadapter.config import ConfigError
+    from dpadapter.validation import validate
+
+    for ok in ("fp32", "bf16", "fp16"):
+        tiny_raw["finetune"]["precision"] = ok
+        validate(tiny_raw)
+    tiny_raw["finetune"]["precision"] = "fp8"
+    with pytest.raises(ConfigError, match="finetune.precision"):
+        validate(tiny_raw)

@@ -4,7 +4,9 @@
 functorch, ew; `opacus_modes`) store them; `bk` (`bookkeeping`, written here) clips without
 storing them. An algorithm that reads per-example gradients itself (`needs_per_sample_gradients`,
 GEP) gets Opacus' hooks under `bk`; metrics.json records the mode that actually ran. Every clip
-factor comes from `clip.clip_factors`.
+factor comes from `clip.clip_factors`. `precision` is `finetune.precision`: autocast of the
+training forward/backward, per-example gradients cast up (and fp16's loss scale divided out)
+before the clip, so that norms, clipped sums and noise stay fp32.
 """
 
 from __future__ import annotations

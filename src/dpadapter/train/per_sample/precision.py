@@ -23,7 +23,9 @@ restored so that dropout draws the same masks, up to `max_recomputations` times 
 a batch that still overflows stops the run with an error. Nothing is dropped from the Poisson
 schedule: the ledger records every sampled step, as in fp32. (Accounting a skipped step as a
 release, the other honest option, would spend privacy for no update and leave the schedule's
-sigma calibrated for steps that do not train.) The scale grows back (x2) after
+sigma calibrated for steps that do not train.) The scale starts at GradScaler's 2^16;
+Opacus' hooks and ew modes compute per-example gradients in fp16, n times a mean gradient's
+size, so a run's first batch usually halves it a few times. It grows back (x2) after
 `growth_interval` clean physical batches, as GradScaler's does; its history is recorded.
 bf16 has fp32's range and needs no scale.
 """
