@@ -214,12 +214,13 @@ class BookKeepingModule(nn.Module):
 
     def recorded_finite(self) -> bool:
         """Whether the last forward/backward recorded only finite values (fp16 overflow)."""
-        return all(
-            bool(torch.isfinite(t).all())
+        flags = [
+            torch.isfinite(t).all()
             for r in self.records.values()
             for t in (r.a, r.g)
             if t is not None
-        )
+        ]
+        return bool(torch.stack(flags).all()) if flags else True
 
     # --- norms and clipped sums --------------------------------------------------------------
     @torch.no_grad()

@@ -175,7 +175,7 @@ class Precision:
     def _finite(self) -> bool:
         if isinstance(self._wrapped, BookKeepingModule):
             return self._wrapped.recorded_finite()
-        return all(bool(torch.isfinite(g).all()) for g in _grad_samples(self._params()))
+        return all_finite(_grad_samples(self._params()))
 
     def unscale(self, params: list[nn.Parameter]) -> None:
         """Opacus' per-example gradients in their parameter's dtype and divided by the scale,
@@ -191,9 +191,10 @@ class Precision:
                 p.grad_sample = [_up(g, p.dtype, s) for g in gs]
             else:
                 p.grad_sample = _up(gs, p.dtype, s)
-            if not all(bool(torch.isfinite(g).all()) for g in _grad_samples([p])):
-                # the backward check makes this unreachable; never clip a non-finite vector
-                raise GradientOverflow("non-finite per-example gradient reached the clip")
+        if self.scaler is not None and not all_finite(_grad_samples(params)):
+            # the check after the backward makes this unreachable; a scaled vector is never
+            # clipped unless it is finite
+            raise GradientOverflow("a non-finite per-example gradient reached the clip")
 
     def state_dict(self) -> dict[str, Any]:
         if self.scaler is None:
@@ -225,6 +226,12 @@ class Precision:
         if self.scaler is not None:
             out.update(self.scaler.describe())
         return out
+
+
+def all_finite(tensors) -> bool:
+    """One device sync for all of them, not one per tensor."""
+    flags = [torch.isfinite(t).all() for t in tensors]
+    return bool(torch.stack(flags).all()) if flags else True
 
 
 def _up(g: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
