@@ -146,6 +146,8 @@ class FinetuneConfig:
     optimizer: str = "sgd"  # sgd (with momentum) or adam: what the DP optimizer wraps
     max_grad_norm: float = 1.0
     grad_sample_mode: str = "ew"
+    # autocast of the DP step (train.per_sample.precision): fp32 (none), bf16, fp16 (loss scale)
+    precision: str = "fp32"
     physical_batch_size: int | None = None
     # pad physical batches (and federated clients' samples) to one shape: auto = on CUDA only
     pad_batches: bool | str = "auto"

@@ -8,7 +8,9 @@ Phases (each a method):
 - ascent    `before_gradient(...)`: runs before each physical batch's gradient (DP-SAT perturbs
   the weights, GEP refreshes its public anchor subspace); `after_release(...)` runs after the
   noise and before the update (DP-SAT removes the perturbation there);
-- step      `train_step(...)`: forward/backward/step (DP-SAM, with two releases, overrides it).
+- step      `train_step(...)`: forward/backward/step (DP-SAM, with two releases, overrides it);
+  every forward/backward of the training loss goes through `_gradient`, the run's precision
+  (`train.per_sample.precision`: autocast, fp16's loss scale and its recomputation).
 Every release goes through `_on_release` (Opacus' step hook, called only for real, non-skipped
 steps) into the run's PrivacyLedger, so the accountant sees exactly the steps taken.
 
@@ -37,6 +39,7 @@ from torch import nn
 from dpadapter.device import Place
 from dpadapter.param_schema import param_errors, params_object
 from dpadapter.privacy import PrivacyLedger, calibrate_sigma
+from dpadapter.train.per_sample.precision import Precision
 
 ALGORITHMS: dict[str, type[DPAlgorithm]] = {}
 
@@ -146,6 +149,8 @@ class DPAlgorithm:
         # Set by the stage that trains it: the per-sample mode that ran, and bk's layer plan.
         self.grad_sample_mode: str | None = None
         self.clipping_plan: dict[str, str] = {}
+        # Set by the loop (`finetune.precision`); fp32 is the plain forward and backward.
+        self.precision = Precision()
 
     @classmethod
     def default_params(cls) -> dict[str, Any]:
@@ -268,10 +273,14 @@ class DPAlgorithm:
         self.before_gradient(model, loss_fn, first)
         if len(y) == 0:
             return self.empty_step(model)
-        loss = loss_fn(model(x), y)
-        loss.backward()
+        loss = self._gradient(model, x, y, loss_fn)
         self.optimizer.step()
         return float(loss.detach())
+
+    def _gradient(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn):
+        """Forward and backward of the training loss on one physical batch (returns the loss)
+        in the run's precision; clipping and noise stay outside, in fp32."""
+        return self.precision.gradient(model, x, y, loss_fn)
 
     def empty_step(self, model: nn.Module) -> float:
         """A Poisson batch can be empty: the release still happens (noise only), as accounted."""
@@ -286,7 +295,8 @@ class DPAlgorithm:
             p.grad_sample = torch.zeros((0, *p.shape), dtype=p.dtype, device=p.device)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"sigma": self.sigma}
+        # fp16's loss scale (nothing in fp32/bf16): a resumed run scales as the uninterrupted one
+        return {"sigma": self.sigma, **self.precision.state_dict()}
 
     def load_state_dict(
         self,
@@ -297,6 +307,7 @@ class DPAlgorithm:
         """Restore `state`; its tensors go to the parameters' `device` and (floating ones)
         `dtype`, since the stage reads resume states onto the CPU (dpadapter.device.onto)."""
         self.sigma = state["sigma"]
+        self.precision.load_state_dict(state)
         self.restore(state, Place(device, dtype))
 
     def restore(self, state: dict[str, Any], place: Place) -> None:
@@ -307,7 +318,8 @@ class DPAlgorithm:
         out = {"algorithm": self.name, "noise_multiplier": self.sigma, **self.params}
         if self.releases_per_step > 1:
             out["release_noise_multiplier"] = self.release_noise_multiplier(self.sigma)
-        return out
+        # precision, and under fp16 the loss scale and its recomputations
+        return {**out, **self.precision.describe()}
 
 
 def param_copies(opt: DPOptimizer) -> list[torch.Tensor]:

@@ -71,9 +71,7 @@ class DPSAM(DPAlgorithm):
         last = self._ends_logical_batch()
         loss = 0.0
         if len(y):
-            out = loss_fn(model(x), y)
-            out.backward()
-            loss = float(out.detach())
+            loss = float(self._gradient(model, x, y, loss_fn).detach())
             self._kept.append((x, y))
         else:
             self._set_empty_grad_samples()
@@ -117,7 +115,7 @@ class DPSAM(DPAlgorithm):
         if not kept:
             self._set_empty_grad_samples()
         for i, (xk, yk) in enumerate(kept):
-            loss_fn(model(xk), yk).backward()
+            self._gradient(model, xk, yk, loss_fn)
             if i < len(kept) - 1:
                 opt.clip_and_accumulate()
                 self._clear_grads()

@@ -24,7 +24,12 @@ from dpadapter.strategies import Schedule, apply_phase
 from dpadapter.train.batching import PAD_LABEL, dp_batches, masked_cross_entropy
 from dpadapter.train.dp_spec import padding
 from dpadapter.train.loops import evaluate, progress
-from dpadapter.train.per_sample import bind_optimizer, effective_mode, wrap_for_dp
+from dpadapter.train.per_sample import (
+    bind_optimizer,
+    effective_mode,
+    make_precision,
+    wrap_for_dp,
+)
 from dpadapter.train.progress import ProgressLine
 from dpadapter.train.resume import ResumeFile
 
@@ -44,6 +49,8 @@ class FitSettings:
     # Adam's moments of the privatised gradient, post-processing; DP-SAT Table 3 fine-tunes
     # with it), with torch's default betas and eps.
     optimizer: str = "sgd"
+    # autocast of the DP step's forward/backward (train.per_sample.precision); fp32: none
+    precision: str = "fp32"
 
     @classmethod
     def from_config(cls, cfg: Config, lr: float | None = None) -> FitSettings:
@@ -57,6 +64,7 @@ class FitSettings:
             device=cfg.device,
             tf32=cfg.tf32,
             optimizer=ft.optimizer,
+            precision=ft.precision,
         )
 
 
@@ -125,7 +133,8 @@ def dp_fit(
     gsm = wrap_for_dp(model, settings.grad_sample_mode, needs_samples)
     algo.grad_sample_mode = effective_mode(settings.grad_sample_mode, needs_samples)
     base_opt = base_optimizer(settings, gsm.parameters())
-    optimizer = bind_optimizer(algo.make_optimizer(base_opt), gsm)
+    algo.precision = make_precision(settings.precision, dev)
+    optimizer = bind_optimizer(algo.make_optimizer(base_opt), gsm, algo.precision)
     sample_gen = torch.Generator().manual_seed(20_000 + seed)
     pad = padding(settings.pad_batches, settings.physical_batch_size, dev, spec)
     loader = dp_batches(

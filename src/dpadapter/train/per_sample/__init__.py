@@ -4,7 +4,9 @@
 functorch, ew; `opacus_modes`) store them; `bk` (`bookkeeping`, written here) clips without
 storing them. An algorithm that reads per-example gradients itself (`needs_per_sample_gradients`,
 GEP) gets Opacus' hooks under `bk`; metrics.json records the mode that actually ran. Every clip
-factor comes from `clip.clip_factors`.
+factor comes from `clip.clip_factors`. `precision` is `finetune.precision`: autocast of the
+training forward/backward, per-example gradients cast up (and fp16's loss scale divided out)
+before the clip, so that norms, clipped sums and noise stay fp32.
 """
 
 from __future__ import annotations
@@ -15,14 +17,18 @@ from torch import nn
 from dpadapter.train.per_sample.bookkeeping import BookKeepingModule, attach_bookkeeping
 from dpadapter.train.per_sample.clip import clip_factors
 from dpadapter.train.per_sample.opacus_modes import OPACUS_MODES, bind_fp32_clip, wrap_opacus
+from dpadapter.train.per_sample.precision import PRECISIONS, Precision, make_precision
 
 GRAD_SAMPLE_MODES = (*OPACUS_MODES, "bk")
 
 __all__ = [
     "GRAD_SAMPLE_MODES",
+    "PRECISIONS",
+    "Precision",
     "bind_optimizer",
     "clip_factors",
     "effective_mode",
+    "make_precision",
     "wrap_for_dp",
 ]
 
@@ -41,8 +47,16 @@ def wrap_for_dp(model: nn.Module, mode: str, needs_per_sample_gradients: bool = 
     return wrap_opacus(model, mode)
 
 
-def bind_optimizer(opt: DPOptimizer, wrapped: nn.Module) -> DPOptimizer:
-    """The DP optimizer made by the algorithm, clipping the way `wrapped` records gradients."""
+def bind_optimizer(
+    opt: DPOptimizer, wrapped: nn.Module, precision: Precision | None = None
+) -> DPOptimizer:
+    """The DP optimizer made by the algorithm, clipping the way `wrapped` records gradients.
+
+    `precision` (mixed precision, `precision.Precision`) learns where the per-example gradients
+    are, to check them for fp16 overflow and cast them up before the clip.
+    """
+    if precision is not None:
+        precision.bind(lambda: opt.params, wrapped)
     if isinstance(wrapped, BookKeepingModule):
         return attach_bookkeeping(opt, wrapped)  # bk's own clip runs under full_fp32
-    return bind_fp32_clip(opt)
+    return bind_fp32_clip(opt, precision)

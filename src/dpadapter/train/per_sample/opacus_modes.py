@@ -9,12 +9,16 @@ the bound holds for whatever vector is clipped, as long as the clip is exact.
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 from opacus.grad_sample.utils import wrap_model
 from opacus.optimizers import DPOptimizer
 from torch import nn
 
 from dpadapter.device import full_fp32
+
+if TYPE_CHECKING:
+    from dpadapter.train.per_sample.precision import Precision
 
 OPACUS_MODES = ("hooks", "functorch", "ew")
 
@@ -23,11 +27,14 @@ def wrap_opacus(model: nn.Module, mode: str) -> nn.Module:
     return wrap_model(model, grad_sample_mode=mode, batch_first=True, loss_reduction="mean")
 
 
-def bind_fp32_clip(opt: DPOptimizer) -> DPOptimizer:
+def bind_fp32_clip(opt: DPOptimizer, precision: Precision | None = None) -> DPOptimizer:
+    """`precision` (mixed precision): per-example gradients cast up and unscaled first."""
     clip = opt.clip_and_accumulate
 
     @functools.wraps(clip)
     def clip_and_accumulate(*args, **kwargs):
+        if precision is not None:
+            precision.unscale(opt.params)
         with full_fp32():
             return clip(*args, **kwargs)
 
