@@ -123,6 +123,8 @@ class FinetuneConfig:
     momentum: float = 0.0
     max_grad_norm: float = 1.0
     grad_sample_mode: str = "ew"
+    # the per-sample self-test at wrap time (dpadapter.train.per_sample.self_test)
+    per_sample_check: bool = True
     physical_batch_size: int | None = None
     # pad physical batches (and federated clients' samples) to one shape: auto = on CUDA only
     pad_batches: bool | str = "auto"

@@ -146,6 +146,7 @@ class DPAlgorithm:
         # Set by the stage that trains it: the per-sample mode that ran, and bk's layer plan.
         self.grad_sample_mode: str | None = None
         self.clipping_plan: dict[str, str] = {}
+        self.per_sample_check: dict | None = None  # the wrap-time self-test's record
 
     @classmethod
     def default_params(cls) -> dict[str, Any]:

@@ -40,6 +40,7 @@ class FitSettings:
     pad_batches: bool | str
     device: str
     tf32: bool
+    per_sample_check: bool = True  # the wrap-time self-test (train.per_sample.self_test)
 
     @classmethod
     def from_config(cls, cfg: Config, lr: float | None = None) -> FitSettings:
@@ -52,6 +53,7 @@ class FitSettings:
             pad_batches=ft.pad_batches,
             device=cfg.device,
             tf32=cfg.tf32,
+            per_sample_check=ft.per_sample_check,
         )
 
 
@@ -109,8 +111,12 @@ def dp_fit(
             raise ValueError(f"{algo_name} needs public data: pass `public`")
         algo.set_public_data(public() if callable(public) else public)
     needs_samples = algo.needs_per_sample_gradients
-    gsm = wrap_for_dp(model, settings.grad_sample_mode, needs_samples)
+    # the self-test draws synthetic inputs of the data's sample shape: no private values read
+    sample = train.tensors[0]
+    check = (sample.shape[1:], sample.dtype) if settings.per_sample_check else None
+    gsm = wrap_for_dp(model, settings.grad_sample_mode, needs_samples, check_sample=check)
     algo.grad_sample_mode = effective_mode(settings.grad_sample_mode, needs_samples)
+    algo.per_sample_check = gsm.per_sample_check
     base_opt = torch.optim.SGD(gsm.parameters(), lr=settings.lr, momentum=settings.momentum)
     optimizer = bind_optimizer(algo.make_optimizer(base_opt), gsm)
     sample_gen = torch.Generator().manual_seed(20_000 + seed)

@@ -4,22 +4,28 @@
 functorch, ew; `opacus_modes`) store them; `bk` (`bookkeeping`, written here) clips without
 storing them. An algorithm that reads per-example gradients itself (`needs_per_sample_gradients`,
 GEP) gets Opacus' hooks under `bk`; metrics.json records the mode that actually ran. Every clip
-factor comes from `clip.clip_factors`.
+factor comes from `clip.clip_factors`. Wrapping with a `check_sample` runs the per-sample
+self-test (`self_test`): the mode's per-example norms against torch.func's before any step.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+import torch
 from opacus.optimizers import DPOptimizer
 from torch import nn
 
 from dpadapter.train.per_sample.bookkeeping import BookKeepingModule, attach_bookkeeping
 from dpadapter.train.per_sample.clip import clip_factors
 from dpadapter.train.per_sample.opacus_modes import OPACUS_MODES, bind_fp32_clip, wrap_opacus
+from dpadapter.train.per_sample.self_test import PerSampleCheckError, run_check
 
 GRAD_SAMPLE_MODES = (*OPACUS_MODES, "bk")
 
 __all__ = [
     "GRAD_SAMPLE_MODES",
+    "PerSampleCheckError",
     "bind_optimizer",
     "clip_factors",
     "effective_mode",
@@ -33,12 +39,32 @@ def effective_mode(mode: str, needs_per_sample_gradients: bool) -> str:
     return "hooks" if mode == "bk" and needs_per_sample_gradients else mode
 
 
-def wrap_for_dp(model: nn.Module, mode: str, needs_per_sample_gradients: bool = False) -> nn.Module:
-    """The module to train (loss reduction 'mean', batch first, as everywhere here)."""
+def wrap_for_dp(
+    model: nn.Module,
+    mode: str,
+    needs_per_sample_gradients: bool = False,
+    check_sample: tuple[Sequence[int], torch.dtype] | None = None,
+) -> nn.Module:
+    """The module to train (loss reduction 'mean', batch first, as everywhere here).
+
+    `check_sample` (the training data's sample shape and dtype, never its values) runs the
+    per-sample self-test; its record is left on the result as `per_sample_check` (None without
+    one), and a mismatch raises PerSampleCheckError.
+    """
     mode = effective_mode(mode, needs_per_sample_gradients)
-    if mode == "bk":
-        return BookKeepingModule(model, loss_reduction="mean")
-    return wrap_opacus(model, mode)
+
+    def wrap() -> nn.Module:
+        if mode == "bk":
+            return BookKeepingModule(model, loss_reduction="mean")
+        return wrap_opacus(model, mode)
+
+    if check_sample is None:
+        wrapped, record = wrap(), None
+    else:
+        shape, dtype = check_sample
+        wrapped, record = run_check(model, wrap, mode, tuple(shape), dtype)
+    wrapped.per_sample_check = record
+    return wrapped
 
 
 def bind_optimizer(opt: DPOptimizer, wrapped: nn.Module) -> DPOptimizer:
