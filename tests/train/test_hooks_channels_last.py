@@ -76,6 +76,9 @@ def test_hooks_mode_refuses_a_permuted_conv_input_naming_the_conv(layout):
         wrapped(LAYOUTS[layout](x))
     with torch.no_grad():  # evaluation computes no per-example gradients
         wrapped(LAYOUTS[layout](x))
+    model[0].requires_grad_(False)  # a frozen conv has no per-example gradient to get wrong
+    wrapped(LAYOUTS[layout](x))
+    model[0].requires_grad_(True)
     wrapped._close()
     model(LAYOUTS[layout](x))  # the plain model is left without the guard
 
@@ -116,4 +119,15 @@ def test_table2_models_train_a_hooks_step_without_tripping_the_guard(path):
     assert convs and all(m.weight.grad_sample.shape[0] == 3 for m in convs)
     opt.step()
     assert all(not torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
+    wrapped._close()
+
+
+def test_timm_convnext_under_hooks_is_refused_where_layernorm2d_feeds_a_conv():
+    """The issue's silent error (hooks' clipped sum off by 1.45 on ConvNeXt) is now an error."""
+    import timm
+
+    model = timm.create_model("convnext_atto", num_classes=5)
+    wrapped = wrap_for_dp(model, "hooks")
+    with pytest.raises(RuntimeError, match=r"Conv2d 'stages\.\d\.(downsample|blocks)"):
+        wrapped(torch.randn(2, 3, 32, 32))
     wrapped._close()

@@ -49,7 +49,7 @@ def permuted_layout(x: torch.Tensor) -> bool:
 
 
 def _guard_conv_layouts(wrapped: nn.Module, model: nn.Module) -> None:
-    """Refuse permuted Conv2d inputs while training (module docstring); removed on `_close`."""
+    """Refuse permuted inputs of trained Conv2d layers (module docstring); removed on `_close`."""
     handles = []
     for name, m in model.named_modules():
         if isinstance(m, nn.Conv2d):
@@ -67,7 +67,10 @@ def _guard_conv_layouts(wrapped: nn.Module, model: nn.Module) -> None:
 def _refuse_permuted(name: str):
     def hook(module: nn.Module, args: tuple) -> None:
         x = args[0] if args else None
-        if torch.is_grad_enabled() and isinstance(x, torch.Tensor) and permuted_layout(x):
+        if not torch.is_grad_enabled() or not isinstance(x, torch.Tensor):
+            return
+        trained = any(p.requires_grad for p in module.parameters(recurse=False))
+        if trained and permuted_layout(x):  # a frozen conv gets no per-example gradient
             raise RuntimeError(
                 f"grad_sample_mode 'hooks': the input of Conv2d {name!r} has strides "
                 f"{tuple(x.stride())} (channels-last or another permuted layout), for which "
