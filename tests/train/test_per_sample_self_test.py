@@ -134,3 +134,33 @@ def test_the_config_switch(tiny_raw):
     assert FitSettings.from_config(from_dict(copy.deepcopy(tiny_raw))).per_sample_check is True
     tiny_raw["finetune"]["per_sample_check"] = False
     assert FitSettings.from_config(from_dict(tiny_raw)).per_sample_check is False
+
+
+@pytest.mark.parametrize("mode", ["ew", "bk"])
+def test_a_dp_fit_gives_the_same_weights_with_and_without_the_check(mode, tiny_cfg):
+    """The default path stays bit-identical: same weights, same ledger, the record only added."""
+    import dataclasses
+
+    from dpadapter.data import build_splits
+    from dpadapter.models import replace_head
+    from dpadapter.train.dp_fit import dp_fit
+    from dpadapter.train.dp_spec import run_spec
+
+    cfg = dataclasses.replace(
+        tiny_cfg, finetune=dataclasses.replace(tiny_cfg.finetune, grad_sample_mode=mode)
+    )
+    train = build_splits(cfg, ["syn-same"])[1]["syn-same"].train
+    spec = dataclasses.replace(run_spec(cfg, "dpsgd", 2.0, len(train)), epochs=1)
+    start = replace_head(create_model(ModelConfig("cnn-gn", 4, 8), 5, 1, seed=0), 5, 0)
+    out = []
+    for check in (False, True):
+        model = copy.deepcopy(start)
+        settings = dataclasses.replace(FitSettings.from_config(cfg), per_sample_check=check)
+        torch.manual_seed(3)
+        algo, ledger = dp_fit(model, train, "dpsgd", spec, settings, 0, max_steps=3)
+        out.append((model.state_dict(), ledger.state_dict()["history"], algo.per_sample_check))
+    (wa, ha, ra), (wb, hb, rb) = out
+    assert ra is None and rb["passed"] and rb["mode"] == mode
+    assert ha == hb and len(ha) > 0
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert any(not torch.equal(wa[k], v) for k, v in start.state_dict().items())  # it trained
