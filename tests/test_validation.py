@@ -258,7 +258,7 @@ def test_cli_validates_with_the_registries(tmp_path, tiny_raw):
 
 
 def test_bookkeeping_mode_is_checked_against_the_model_before_any_job(monkeypatch):
-    """bk clips Linear/Conv2d/GroupNorm/LayerNorm only; another trained layer is refused now."""
+    """bk clips any layer but a BatchNorm in training mode; that is refused now."""
     from torch import nn
 
     from dpadapter import validation
@@ -269,6 +269,6 @@ def test_bookkeeping_mode_is_checked_against_the_model_before_any_job(monkeypatc
     monkeypatch.setattr(
         validation,
         "create_model",
-        lambda *a, **k: nn.Sequential(nn.Conv2d(1, 2, 3), nn.PReLU(), nn.Flatten()),
+        lambda *a, **k: nn.Sequential(nn.Conv2d(1, 2, 3), nn.BatchNorm2d(2), nn.Flatten()),
     )
-    _rejected(raw, "finetune.grad_sample_mode", "PReLU", "hooks, functorch or ew")
+    _rejected(raw, "finetune.grad_sample_mode", "BatchNorm2d")

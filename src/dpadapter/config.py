@@ -148,6 +148,8 @@ class FinetuneConfig:
     grad_sample_mode: str = "ew"
     # autocast of the DP step (train.per_sample.precision): fp32 (none), bf16, fp16 (loss scale)
     precision: str = "fp32"
+    # the per-sample self-test at wrap time (dpadapter.train.per_sample.self_test)
+    per_sample_check: bool = True
     physical_batch_size: int | None = None
     # pad physical batches (and federated clients' samples) to one shape: auto = on CUDA only
     pad_batches: bool | str = "auto"

@@ -267,7 +267,7 @@ def _name_problems(cfg: Config) -> list[str]:
 
 
 def _bookkeeping_problems(cfg: Config) -> list[str]:
-    """bk clips Linear/Conv2d/GroupNorm/LayerNorm only: refuse other trained layers now.
+    """bk clips any layer but a BatchNorm in training mode (it mixes examples): refuse it now.
 
     (A timm backbone is checked when its job builds it; building it here could download.)
     """
@@ -276,7 +276,8 @@ def _bookkeeping_problems(cfg: Config) -> list[str]:
         return []
     return [
         f"finetune.grad_sample_mode: 'bk' cannot clip the parameters of {', '.join(bad)} "
-        f"in model {cfg.model.name!r}; use hooks, functorch or ew"
+        f"in model {cfg.model.name!r} (a BatchNorm in training mode mixes the examples of a "
+        "batch under any per-sample mode); freeze its statistics or replace it by GroupNorm"
     ]
 
 

@@ -240,15 +240,25 @@ def test_empty_batch_and_a_missing_backward():
         opt.clip_and_accumulate()
 
 
-def test_unsupported_trainable_layers_are_refused_frozen_ones_allowed():
-    model = nn.Sequential(nn.Embedding(10, 4), nn.Flatten(), nn.Linear(8, 2))
-    with pytest.raises(ValueError, match="Embedding"):
+def test_training_mode_batchnorm_is_refused_frozen_ones_allowed():
+    """Other layers without closed forms are clipped by torch.func (test_bookkeeping_any_module)."""
+    model = nn.Sequential(nn.Conv2d(1, 2, 3), nn.BatchNorm2d(2), nn.Flatten(), nn.Linear(8, 2))
+    with pytest.raises(ValueError, match="BatchNorm2d in training mode"):
         BookKeepingModule(model)
-    model[0].weight.requires_grad_(False)
+    model[1].weight.requires_grad_(False)
+    model[1].bias.requires_grad_(False)
     bk = BookKeepingModule(model)
-    model[0].weight.requires_grad_(True)  # a strategy unfreezing it later is caught too
-    with pytest.raises(ValueError, match="Embedding"):
-        bk(torch.zeros((2, 2), dtype=torch.long))
+    model[1].weight.requires_grad_(True)  # a strategy unfreezing it later is caught too
+    with pytest.raises(ValueError, match="BatchNorm2d"):
+        bk(torch.zeros((2, 1, 4, 4)))
+
+
+def test_a_layer_called_twice_after_a_trained_one_is_refused():
+    """Its weights are switched off at its first call; the second is caught all the same."""
+    lin = nn.Linear(3, 3)
+    model = nn.Sequential(nn.Linear(3, 3), lin, nn.ReLU(), lin)
+    with pytest.raises(RuntimeError, match="called twice"):
+        BookKeepingModule(model)(torch.randn(2, 3))
 
 
 def test_a_layer_called_twice_is_refused():

@@ -151,6 +151,7 @@ class DPAlgorithm:
         self.clipping_plan: dict[str, str] = {}
         # Set by the loop (`finetune.precision`); fp32 is the plain forward and backward.
         self.precision = Precision()
+        self.per_sample_check: dict | None = None  # the wrap-time self-test's record
 
     @classmethod
     def default_params(cls) -> dict[str, Any]:

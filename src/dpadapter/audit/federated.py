@@ -96,7 +96,8 @@ def audit_federated_run(cfg: Config, mechanism: str, eps: float) -> dict:
     nn.init.zeros_(model.weight)
     nn.init.zeros_(model.bias)
     w0 = model.weight.detach().clone()
-    gsm = wrap_for_dp(model, cfg.finetune.grad_sample_mode, needs_per_sample_gradients=True)
+    check = ((d + m,), xs.dtype) if cfg.finetune.per_sample_check else None  # shape only
+    gsm = wrap_for_dp(model, cfg.finetune.grad_sample_mode, True, check_sample=check)
     gsm.train()
     Federation(gsm, clients, get_strategy("ft").schedule(fed.rounds), fed.local_steps).run()
     if hasattr(gsm, "_close"):
@@ -127,6 +128,7 @@ def audit_federated_run(cfg: Config, mechanism: str, eps: float) -> dict:
         "client0_public_size": public_size,
         "adjacency": "add/remove" if mechanism == GAUSSIAN else "replace-one (canary vs blank)",
         "n_real": n,
+        "per_sample_check": gsm.per_sample_check,
         "task": task,
         "model": f"linear({d}+{m} -> {data.num_classes})",
         "canary_scale": a.canary_scale,

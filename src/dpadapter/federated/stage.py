@@ -192,7 +192,8 @@ def run(
         for i, idx in enumerate(parts)
     ]
     # The clients' statistics (Laplace constants) read per-example gradients: bk runs hooks.
-    gsm = wrap_for_dp(model, cfg.finetune.grad_sample_mode, needs_per_sample_gradients=True)
+    check = (x.shape[1:], x.dtype) if cfg.finetune.per_sample_check else None  # shape only
+    gsm = wrap_for_dp(model, cfg.finetune.grad_sample_mode, True, check_sample=check)
     gsm.train()
 
     wildcards = {
@@ -304,6 +305,7 @@ def run(
                 "test_accuracy": test_acc,
                 "val_accuracy": curve[-1]["val_accuracy"] if curve else None,
                 "hyperparameters": hyper,
+                "per_sample_check": gsm.per_sample_check,
                 "federation": {
                     "algorithm": hyper["algorithm"],
                     "clients": fed.clients,

@@ -127,6 +127,8 @@ def run(
                 "hyperparameters": hyper,
                 # bk only: how each layer's per-example norms were computed (ghost/per-example)
                 "clipping_plan": algo.clipping_plan or None,
+                # the per-sample mode's norms against torch.func's before training (None: off)
+                "per_sample_check": algo.per_sample_check,
                 "privacy": {
                     **privacy_record(spec, ledger, eps, epsilon),
                     "validation_use": "reported only; selects nothing, so it is not charged",

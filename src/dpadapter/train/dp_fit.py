@@ -51,6 +51,7 @@ class FitSettings:
     optimizer: str = "sgd"
     # autocast of the DP step's forward/backward (train.per_sample.precision); fp32: none
     precision: str = "fp32"
+    per_sample_check: bool = True  # the wrap-time self-test (train.per_sample.self_test)
 
     @classmethod
     def from_config(cls, cfg: Config, lr: float | None = None) -> FitSettings:
@@ -65,6 +66,7 @@ class FitSettings:
             tf32=cfg.tf32,
             optimizer=ft.optimizer,
             precision=ft.precision,
+            per_sample_check=ft.per_sample_check,
         )
 
 
@@ -130,8 +132,12 @@ def dp_fit(
             raise ValueError(f"{algo_name} needs public data: pass `public`")
         algo.set_public_data(public() if callable(public) else public)
     needs_samples = algo.needs_per_sample_gradients
-    gsm = wrap_for_dp(model, settings.grad_sample_mode, needs_samples)
+    # the self-test draws synthetic inputs of the data's sample shape: no private values read
+    sample = train.tensors[0]
+    check = (sample.shape[1:], sample.dtype) if settings.per_sample_check else None
+    gsm = wrap_for_dp(model, settings.grad_sample_mode, needs_samples, check_sample=check)
     algo.grad_sample_mode = effective_mode(settings.grad_sample_mode, needs_samples)
+    algo.per_sample_check = gsm.per_sample_check
     base_opt = base_optimizer(settings, gsm.parameters())
     algo.precision = make_precision(settings.precision, dev)
     optimizer = bind_optimizer(algo.make_optimizer(base_opt), gsm, algo.precision)

@@ -39,9 +39,20 @@ cuDNN convolutions, the previous flags restored afterwards), so both agree to FP
 on the CPU; the model's forward and backward keep TF32 (config `tf32`). Clipping at a reduced
 bound was the alternative; it would need a proven bound on TF32's error for every kernel.
 
-Supported trainable layers: Linear (any leading dims), Conv2d (zeros padding, any groups,
-stride, dilation), GroupNorm, LayerNorm. A trainable parameter elsewhere is refused when the
-model is wrapped, and again in any forward (strategies change what is trainable).
+Closed forms: Linear (any leading dims), Conv2d (zeros padding, any groups, stride,
+dilation), GroupNorm, LayerNorm, each only where its class keeps the base class' forward (timm's
+LayerNorm2d normalises over channels with a forward of its own). Every other module that owns
+trainable parameters (a ViT's root with `cls_token` / `pos_embed`, LayerScale, an eval-mode
+BatchNorm or any frozen-statistics norm, a padded Conv2d subclass, an Embedding) records its
+call's arguments and its output gradient in the same forward/backward, and its per-example
+gradients come from torch.func, for that module's own parameters only (`functional`): mixed
+with the closed forms, so that any model trains under bk. Such a module keeps its parameters'
+gradients switched off like the closed-form layers do when an input already needs one.
+
+Refused, naming the module, because the result would be wrong: a module with trained
+parameters called twice in one forward, a BatchNorm in training mode (its output mixes the
+examples of the batch), a fallback module whose output is not one batch-first tensor, and a
+fallback forward that draws random numbers (dropout inside it: the replay would draw others).
 """
 
 from __future__ import annotations
@@ -53,27 +64,47 @@ import torch
 import torch.nn.functional as F
 from opacus.optimizers import DPOptimizer
 from torch import nn
+from torch.utils._pytree import tree_leaves, tree_map
 
 from dpadapter.device import full_fp32
 from dpadapter.train.per_sample.clip import clip_factors
+from dpadapter.train.per_sample.functional import module_grads
 
 SUPPORTED_LAYERS: tuple[type[nn.Module], ...] = (nn.Linear, nn.Conv2d, nn.GroupNorm, nn.LayerNorm)
 
 
+def closed_form(m: nn.Module) -> bool:
+    """Whether bk's closed forms fit `m`: a supported class with that class' own forward."""
+    base = next((t for t in SUPPORTED_LAYERS if isinstance(m, t)), None)
+    if base is None or type(m).forward is not base.forward:
+        return False
+    if isinstance(m, nn.Conv2d):
+        return m.padding_mode == "zeros" and not isinstance(m.padding, str)
+    return True
+
+
+def _owns_parameters(m: nn.Module) -> bool:
+    return any(True for _ in m.parameters(recurse=False))
+
+
 def unsupported_trainable(model: nn.Module, trainable_only: bool = True) -> list[str]:
-    """Names of modules holding (trainable) parameters that book-keeping cannot clip."""
+    """Names of modules holding (trainable) parameters that book-keeping cannot clip.
+
+    Only a BatchNorm in training mode (it mixes the examples); every other module is clipped,
+    by a closed form or by torch.func (module docstring).
+    """
     out = []
     for name, m in model.named_modules():
         own = list(m.parameters(recurse=False))
         if trainable_only:
             own = [p for p in own if p.requires_grad]
-        if own and not isinstance(m, SUPPORTED_LAYERS):
-            out.append(f"{name or '<root>'} ({type(m).__name__})")
-        elif isinstance(m, nn.Conv2d) and own and m.padding_mode != "zeros":
-            out.append(f"{name} (Conv2d padding_mode={m.padding_mode!r})")
-        elif isinstance(m, nn.Conv2d) and own and isinstance(m.padding, str):
-            out.append(f"{name} (Conv2d padding={m.padding!r})")
+        if own and _mixes_examples(m):
+            out.append(f"{name or '<root>'} ({type(m).__name__} in training mode)")
     return out
+
+
+def _mixes_examples(m: nn.Module) -> bool:
+    return isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training
 
 
 def _refuse_unsupported(model: nn.Module) -> None:
@@ -82,7 +113,8 @@ def _refuse_unsupported(model: nn.Module) -> None:
         raise ValueError(
             "grad_sample_mode 'bk' cannot clip the trainable parameters of: "
             + ", ".join(bad)
-            + f" (supported: {', '.join(t.__name__ for t in SUPPORTED_LAYERS)})"
+            + " (its output mixes the examples of a batch; put it in eval mode to use its "
+            "running statistics, or replace it by GroupNorm)"
         )
 
 
@@ -96,6 +128,25 @@ class _Record:
     g: torch.Tensor | None = None
     strategy: str = ""  # how its norms were computed: exact, ghost, per-example(-im2col)
     kept: dict[int, torch.Tensor] = field(default_factory=dict)  # per-example grads for the sum
+
+    @property
+    def n(self) -> int:
+        return self.a.shape[0]
+
+
+@dataclass
+class _FuncRecord:
+    """A module without a closed form: its call's arguments and output gradient (torch.func)."""
+
+    module: nn.Module
+    name: str
+    args: tuple
+    kwargs: dict[str, Any]
+    params: dict[str, nn.Parameter]
+    n: int = 0
+    g: torch.Tensor | None = None
+    strategy: str = "torch.func"
+    kept: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 class BookKeepingModule(nn.Module):
@@ -131,22 +182,33 @@ class BookKeepingModule(nn.Module):
         # Reused patch buffers for ghost norms, one per shape: a fresh tens-of-MB allocation
         # each step costs its page faults on the CPU (measured 13 ms vs 4 ms for a 38 MB copy).
         self.workspace: dict[tuple, torch.Tensor] = {}
-        self.records: dict[nn.Module, _Record] = {}
+        self.records: dict[nn.Module, _Record | _FuncRecord] = {}
         # fp16's loss scale of the last backward (train.per_sample.precision); 1 otherwise
         self.grad_scale = 1.0
         self._switched_off: list[nn.Parameter] = []
+        self._rows: int | None = None  # the batch size of the current forward
+        self._replaying = False  # torch.func runs a module's forward again: record nothing
         self._handles = []
-        for m in module.modules():
-            if isinstance(m, SUPPORTED_LAYERS):
+        for name, m in module.named_modules():
+            if closed_form(m):
                 self._handles.append(m.register_forward_pre_hook(self._before_layer))
                 self._handles.append(m.register_forward_hook(self._after_layer))
+            elif _owns_parameters(m):
+                self._handles.append(
+                    m.register_forward_pre_hook(self._before_func(name), with_kwargs=True)
+                )
+                self._handles.append(
+                    m.register_forward_hook(self._after_func(name), with_kwargs=True)
+                )
 
     # --- recording ---------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        recording = torch.is_grad_enabled()
+        recording = torch.is_grad_enabled() and not self._replaying
         if recording:
             self.records = {}
             _refuse_unsupported(self._module)  # a strategy may have unfrozen another layer
+            first = next((a for a in tree_leaves((args, kwargs)) if torch.is_tensor(a)), None)
+            self._rows = None if first is None or first.dim() == 0 else first.shape[0]
         try:
             return self._module(*args, **kwargs)
         finally:
@@ -155,16 +217,18 @@ class BookKeepingModule(nn.Module):
             self._switched_off = []
 
     def _before_layer(self, module: nn.Module, args: tuple) -> None:
-        if not torch.is_grad_enabled() or not args or not isinstance(args[0], torch.Tensor):
+        if self._replaying or not torch.is_grad_enabled():
             return
-        trained = {n: p for n, p in module.named_parameters(recurse=False) if p.requires_grad}
-        if not trained:
+        if not args or not isinstance(args[0], torch.Tensor):
             return
-        if module in self.records:
+        if module in self.records:  # checked first: its parameters may be switched off now
             raise RuntimeError(
                 f"grad_sample_mode 'bk': {type(module).__name__} is called twice in one forward; "
                 "book-keeping supports one call per layer (use hooks or ew)"
             )
+        trained = {n: p for n, p in module.named_parameters(recurse=False) if p.requires_grad}
+        if not trained:
+            return
         x = args[0]
         if x.requires_grad:  # the gradient still reaches this layer's output through x
             for p in trained.values():
@@ -173,6 +237,8 @@ class BookKeepingModule(nn.Module):
         self.records[module] = _Record(module, x.detach(), trained)
 
     def _after_layer(self, module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+        if self._replaying:
+            return
         rec = self.records.get(module)
         if rec is None or not isinstance(output, torch.Tensor) or not output.requires_grad:
             return
@@ -181,6 +247,64 @@ class BookKeepingModule(nn.Module):
             rec.g = grad.detach()
 
         output.register_hook(keep)
+
+    def _before_func(self, name: str):
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            if self._replaying or not torch.is_grad_enabled():
+                return
+            what = f"{name or '<root>'} ({type(module).__name__})"
+            if module in self.records:  # checked first: its parameters may be switched off now
+                raise RuntimeError(
+                    f"grad_sample_mode 'bk': {what} is called twice in one forward; "
+                    "book-keeping supports one call per module with trained parameters"
+                )
+            trained = {n: p for n, p in module.named_parameters(recurse=False) if p.requires_grad}
+            if not trained:
+                return
+            if _mixes_examples(module):
+                raise RuntimeError(
+                    f"grad_sample_mode 'bk': {what} is a BatchNorm in training mode; its output "
+                    "mixes the examples of a batch (eval mode uses its running statistics)"
+                )
+            leaves = [v for v in tree_leaves((args, kwargs)) if torch.is_tensor(v)]
+            if any(v.requires_grad for v in leaves):  # its output gets a gradient through them
+                for p in trained.values():
+                    p.requires_grad_(False)
+                    self._switched_off.append(p)
+            args, kwargs = tree_map(_detached, (args, kwargs))
+            self.records[module] = _FuncRecord(module, name, args, kwargs, trained)
+
+        return hook
+
+    def _after_func(self, name: str):
+        def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            if self._replaying:
+                return
+            rec = self.records.get(module)
+            if not isinstance(rec, _FuncRecord):
+                return
+            what = f"{name or '<root>'} ({type(module).__name__})"
+            if not isinstance(output, torch.Tensor):
+                raise RuntimeError(
+                    f"grad_sample_mode 'bk': {what} owns trained parameters and returns "
+                    f"{type(output).__name__}, not a tensor; its per-example gradients need one "
+                    "batch-first output tensor"
+                )
+            if output.dim() == 0 or output.shape[0] != self._rows:
+                raise RuntimeError(
+                    f"grad_sample_mode 'bk': {what} returns shape {tuple(output.shape)}, not "
+                    f"batch-first for a batch of {self._rows}"
+                )
+            rec.n = output.shape[0]
+            if not output.requires_grad:
+                return
+
+            def keep(grad: torch.Tensor) -> None:
+                rec.g = grad.detach()
+
+            output.register_hook(keep)
+
+        return hook
 
     def clear(self) -> None:
         self.records = {}
@@ -194,7 +318,7 @@ class BookKeepingModule(nn.Module):
 
     def batch_size(self) -> int | None:
         for rec in self.records.values():
-            return rec.a.shape[0]
+            return rec.n
         return None
 
     def _complete(self, params: list[nn.Parameter]) -> list[_Record]:
@@ -217,8 +341,8 @@ class BookKeepingModule(nn.Module):
         flags = [
             torch.isfinite(t).all()
             for r in self.records.values()
-            for t in (r.a, r.g)
-            if t is not None
+            for t in (*(r.args if isinstance(r, _FuncRecord) else (r.a,)), r.g)
+            if isinstance(t, torch.Tensor) and t.is_floating_point()
         ]
         return bool(torch.stack(flags).all()) if flags else True
 
@@ -233,12 +357,17 @@ class BookKeepingModule(nn.Module):
         wanted = {id(p) for p in params}
         total = None
         for rec in recs:
-            sq = _layer_norms_sq(rec, wanted, self.keep_elements, self.strategy, self.workspace)
+            if not any(id(p) in wanted for p in rec.params.values()):
+                continue  # a subset of the layers (the per-sample self-test, module by module)
+            if isinstance(rec, _FuncRecord):
+                sq = self._func_norms_sq(rec, wanted)
+            else:
+                sq = _layer_norms_sq(rec, wanted, self.keep_elements, self.strategy, self.workspace)
             total = sq if total is None else total + sq
         assert total is not None
         if not self.last_plan:
             names = {m: n for n, m in self._module.named_modules()}
-            self.last_plan = {names.get(r.module, "?"): r.strategy for r in recs}
+            self.last_plan = {(names.get(r.module, "?") or "<root>"): r.strategy for r in recs}
         return total.sqrt() * self._loss_scale(recs[0])
 
     @torch.no_grad()
@@ -249,23 +378,83 @@ class BookKeepingModule(nn.Module):
         out: dict[int, torch.Tensor] = {}
         wanted = {id(p) for p in params}
         for rec in self.records.values():
-            out.update(_layer_sums(rec, factor * self._loss_scale(rec), wanted))
+            weights = factor * self._loss_scale(rec)
+            if isinstance(rec, _FuncRecord):
+                out.update(self._func_sums(rec, weights, wanted))
+            else:
+                out.update(_layer_sums(rec, weights, wanted))
         return out
 
-    def _loss_scale(self, rec: _Record) -> int:
+    def _loss_scale(self, rec: _Record | _FuncRecord) -> float:
         """Opacus' 'mean' convention: an example's gradient is that of its own loss; fp16's
         loss scale divided out (so the clip bound is on the true gradient)."""
-        n = rec.a.shape[0] if self.loss_reduction == "mean" else 1
+        n = rec.n if self.loss_reduction == "mean" else 1
         return n if self.grad_scale == 1.0 else n / self.grad_scale
 
+    def _func_grads(self, rec: _FuncRecord, wanted: set[int]) -> dict[int, torch.Tensor]:
+        """{id(p): (n, *p.shape)} for the wanted parameters of a module without a closed form."""
+        assert rec.g is not None
+        params = {k: p.detach() for k, p in rec.params.items() if id(p) in wanted}
+        if not params:
+            return {}
+        self._replaying = True
+        try:
+            grads = module_grads(rec.module, params, rec.args, rec.kwargs, rec.g)
+        except RuntimeError as e:
+            if "random" not in str(e):
+                raise
+            raise RuntimeError(
+                f"grad_sample_mode 'bk': {rec.name or '<root>'} ({type(rec.module).__name__}) "
+                "draws random numbers in its forward (dropout?), which its per-example "
+                f"gradients cannot replay: {e}"
+            ) from e
+        finally:
+            self._replaying = False
+        return {id(rec.params[k]): v for k, v in grads.items()}
 
-def _full_precision(rec: _Record) -> None:
-    """Autocast's low-precision records in their parameters' dtype, before any norm is taken."""
+    def _func_norms_sq(self, rec: _FuncRecord, wanted: set[int]) -> torch.Tensor:
+        rec.kept = {}
+        total = None
+        for pid, grads in self._func_grads(rec, wanted).items():
+            if grads.numel() <= self.keep_elements:
+                rec.kept[pid] = grads
+            sq = grads.reshape(grads.shape[0], -1).pow(2).sum(1)
+            total = sq if total is None else total + sq
+        assert total is not None
+        return total
+
+    def _func_sums(
+        self, rec: _FuncRecord, weights: torch.Tensor, wanted: set[int]
+    ) -> dict[int, torch.Tensor]:
+        todo = {id(p) for p in rec.params.values() if id(p) in wanted and id(p) not in rec.kept}
+        fresh = self._func_grads(rec, todo) if todo else {}
+        out = {}
+        for p in rec.params.values():
+            grads = rec.kept.get(id(p), fresh.get(id(p)))
+            if id(p) in wanted and grads is not None:
+                out[id(p)] = torch.tensordot(weights.to(grads.dtype), grads, dims=1)
+        return out
+
+
+def _detached(v: Any) -> Any:
+    return v.detach() if isinstance(v, torch.Tensor) else v
+
+
+def _full_precision(rec: _Record | _FuncRecord) -> None:
+    """Autocast's low-precision records in their parameters' dtype, before any norm is taken
+    (a torch.func record's inputs too: its module is replayed outside autocast)."""
     dtype = next(iter(rec.params.values())).dtype
-    if rec.a.dtype in (torch.bfloat16, torch.float16):
-        rec.a = rec.a.to(dtype)
-    if rec.g is not None and rec.g.dtype in (torch.bfloat16, torch.float16):
-        rec.g = rec.g.to(dtype)
+
+    def up(v: Any) -> Any:
+        low = isinstance(v, torch.Tensor) and v.dtype in (torch.bfloat16, torch.float16)
+        return v.to(dtype) if low else v
+
+    if isinstance(rec, _FuncRecord):
+        rec.args = tuple(up(v) for v in rec.args)
+        rec.kwargs = {k: up(v) for k, v in rec.kwargs.items()}
+    else:
+        rec.a = up(rec.a)
+    rec.g = up(rec.g)
 
 
 def _layer_norms_sq(

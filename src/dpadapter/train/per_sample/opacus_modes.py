@@ -4,6 +4,18 @@ Every mode clips in full FP32 (`device.full_fp32`): Opacus' clip takes the norms
 clipped sum (an einsum) with different kernels, and under TF32 a clipped example could add
 ~1e-3 more than C to the sum. The per-example gradients themselves may come from TF32 kernels:
 the bound holds for whatever vector is clipped, as long as the clip is exact.
+
+`hooks` mode refuses a Conv2d input whose memory layout is a permutation (channels-last, or
+H and W transposed) rather than row-major: Opacus 1.6's hooks-mode Conv2d unfolds its input
+with `as_strided` on the assumption that W has stride 1 and H stride W, and for a dense permuted
+input (whose layout `F.pad` keeps: channels-last always, an H/W transpose when unpadded) it
+returns wrong per-example gradients without any error (relative error 1.4 on a one-conv model;
+`ew` and `functorch` are exact); every dense permuted layout is refused. Such inputs
+arise from timm's LayerNorm2d (it permutes) or `memory_format=torch.channels_last`. Refusing
+is preferred over copying the input to row-major: a copy per conv per step would be paid
+silently, and the refusal names the conv, so the user picks `ew`/`functorch` or a row-major
+model. Sliced (non-dense) inputs are copied by `F.pad` and come out right, so they pass.
+tests/train/test_hooks_channels_last.py reproduces the error on raw Opacus.
 """
 
 from __future__ import annotations
@@ -11,6 +23,7 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING
 
+import torch
 from opacus.grad_sample.utils import wrap_model
 from opacus.optimizers import DPOptimizer
 from torch import nn
@@ -24,7 +37,52 @@ OPACUS_MODES = ("hooks", "functorch", "ew")
 
 
 def wrap_opacus(model: nn.Module, mode: str) -> nn.Module:
-    return wrap_model(model, grad_sample_mode=mode, batch_first=True, loss_reduction="mean")
+    wrapped = wrap_model(model, grad_sample_mode=mode, batch_first=True, loss_reduction="mean")
+    if mode == "hooks":
+        _guard_conv_layouts(wrapped, model)
+    return wrapped
+
+
+def permuted_layout(x: torch.Tensor) -> bool:
+    """A dense tensor whose strides are not row-major (channels-last is one)."""
+    return (
+        not x.is_contiguous()
+        and x.numel() > 0
+        and torch.empty_like(x, memory_format=torch.preserve_format).stride() == x.stride()
+    )
+
+
+def _guard_conv_layouts(wrapped: nn.Module, model: nn.Module) -> None:
+    """Refuse permuted inputs of trained Conv2d layers (module docstring); removed on `_close`."""
+    handles = []
+    for name, m in model.named_modules():
+        if isinstance(m, nn.Conv2d):
+            handles.append(m.register_forward_pre_hook(_refuse_permuted(name)))
+    close = wrapped._close
+
+    def _close() -> None:
+        for h in handles:
+            h.remove()
+        close()
+
+    wrapped._close = _close
+
+
+def _refuse_permuted(name: str):
+    def hook(module: nn.Module, args: tuple) -> None:
+        x = args[0] if args else None
+        if not torch.is_grad_enabled() or not isinstance(x, torch.Tensor):
+            return
+        trained = any(p.requires_grad for p in module.parameters(recurse=False))
+        if trained and permuted_layout(x):  # a frozen conv gets no per-example gradient
+            raise RuntimeError(
+                f"grad_sample_mode 'hooks': the input of Conv2d {name!r} has strides "
+                f"{tuple(x.stride())} (channels-last or another permuted layout), for which "
+                "Opacus' hooks mode computes wrong per-example gradients; use grad_sample_mode "
+                "ew or functorch, or feed the model row-major (contiguous) tensors"
+            )
+
+    return hook
 
 
 def bind_fp32_clip(opt: DPOptimizer, precision: Precision | None = None) -> DPOptimizer:
