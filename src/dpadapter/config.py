@@ -67,6 +67,8 @@ class ModelConfig:
     name: str = "cnn-gn"
     groups: int = 8
     width: int = 16
+    # BatchNorm of a timm/external backbone (dpadapter.models.batchnorm): freeze | groupnorm
+    batchnorm: str = "freeze"
 
 
 @dataclass(frozen=True)
@@ -134,6 +136,8 @@ class FinetuneConfig:
     algo_params: dict[str, dict[str, Any]] = field(default_factory=dict)
     strategy: str = "ft"  # dpadapter.strategies: ft (all params), ht (head only), ut (HT, FT)
     ut_t1_fraction: float = 0.5  # ut: share of the steps that are head-tuning
+    # frozen BatchNorms' scale and shift under DP: train (per example) | freeze (models.batchnorm)
+    bn_affine: str = "train"
 
 
 @dataclass(frozen=True)
@@ -397,6 +401,8 @@ class Config:
     federated: FederatedConfig = field(default_factory=FederatedConfig)
     sweeps: SweepConfig = field(default_factory=SweepConfig)
     audit: AuditConfig = field(default_factory=AuditConfig)
+    # `pretrain.external`: label -> params of the `external` method (dpadapter.upstream.resolve)
+    external_upstreams: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -554,6 +560,7 @@ def from_dict(raw: dict[str, Any], validate: bool = True) -> Config:
             **_tuplify(raw.get("sweeps", {}), ("gammas", "methods", "tasks", "seeds"))
         ),
         audit=_audit(raw.get("audit", {})),
+        external_upstreams={k: dict(v) for k, v in pre.get("external", {}).items()},
     )
     return cfg
 

@@ -19,6 +19,7 @@ from torch.utils.data import Dataset, TensorDataset
 from dpadapter import device as devices
 from dpadapter.algorithms import ALGORITHMS, DPRunSpec
 from dpadapter.config import Config
+from dpadapter.models.batchnorm import freeze_batchnorm
 from dpadapter.privacy import PrivacyLedger
 from dpadapter.strategies import Schedule, apply_phase
 from dpadapter.train.batching import PAD_LABEL, dp_batches, masked_cross_entropy
@@ -40,6 +41,7 @@ class FitSettings:
     pad_batches: bool | str
     device: str
     tf32: bool
+    bn_affine: str = "train"
 
     @classmethod
     def from_config(cls, cfg: Config, lr: float | None = None) -> FitSettings:
@@ -52,6 +54,7 @@ class FitSettings:
             pad_batches=ft.pad_batches,
             device=cfg.device,
             tf32=cfg.tf32,
+            bn_affine=ft.bn_affine,
         )
 
 
@@ -90,6 +93,9 @@ def dp_fit(
     batches, noise and releases of an uninterrupted one, and its ledger keeps the releases made
     before the interruption.
     """
+    # BatchNorm kept from (non-private) pre-training is frozen before anything reads the model's
+    # parameters (a no-op without BatchNorm): its statistics stay the public ones.
+    freeze_batchnorm(model, settings.bn_affine)
     if schedule is not None:
         apply_phase(model, schedule.phase(0))
     errors = ModuleValidator.validate(model, strict=False)
