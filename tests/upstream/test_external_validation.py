@@ -7,7 +7,7 @@ import copy
 
 import pytest
 import torch
-from test_external_weights import VIT, params_for, save_as, source_model
+from external_helpers import VIT, params_for, save_as, source_model
 
 from dpadapter.config import ConfigError
 from dpadapter.fingerprint import stage_fingerprint
@@ -120,8 +120,8 @@ def test_torchvision_weights_not_cached_name_the_enum(tiny_raw, tmp_path, monkey
 
 def test_hub_cache_is_read_offline_through_timm(tiny_cfg, tmp_path, monkeypatch):
     """A hub cache laid out as huggingface_hub writes it: found, loaded by timm, hashed."""
+    from external_helpers import build
     from safetensors.torch import save_file
-    from test_external_weights import build
 
     from dpadapter.upstream.external import External
 

@@ -82,7 +82,9 @@ class FrozenBatchNorm(nn.Module):
         normed = F.batch_norm(
             x, self.running_mean, self.running_var, None, None, False, 0.0, self.eps
         )
-        return self.affine(normed)
+        # Per-sample hooks wrap the child's output (a view); timm's BatchNorm is followed by an
+        # in-place ReLU or `+=`, which autograd forbids on such a view: hand back a copy.
+        return self.affine(normed).clone()
 
     def extra_repr(self) -> str:
         trained = "trainable" if self.affine is not None else "frozen"
