@@ -70,6 +70,8 @@ class ModelConfig:
     name: str = "cnn-gn"
     groups: int = 8
     width: int = 16
+    # BatchNorm of a timm/external backbone (dpadapter.models.batchnorm): freeze | groupnorm
+    batchnorm: str = "freeze"
 
 
 @dataclass(frozen=True)
@@ -162,6 +164,8 @@ class FinetuneConfig:
     algo_params_for: tuple[ParamsFor, ...] = ()
     strategy: str = "ft"  # dpadapter.strategies: ft (all), ht (head), ut (HT, FT), bitfit
     ut_t1_fraction: float = 0.5  # ut: share of the steps that are head-tuning
+    # frozen BatchNorms' scale and shift under DP: train (per example) | freeze (models.batchnorm)
+    bn_affine: str = "train"
 
     def params_of(
         self, algo: str, upstream: str | None = None, task: str | None = None
@@ -440,6 +444,8 @@ class Config:
     federated: FederatedConfig = field(default_factory=FederatedConfig)
     sweeps: SweepConfig = field(default_factory=SweepConfig)
     audit: AuditConfig = field(default_factory=AuditConfig)
+    # `pretrain.external`: label -> params of the `external` method (dpadapter.upstream.resolve)
+    external_upstreams: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -600,6 +606,7 @@ def from_dict(raw: dict[str, Any], validate: bool = True) -> Config:
             **_tuplify(raw.get("sweeps", {}), ("gammas", "methods", "tasks", "seeds"))
         ),
         audit=_audit(raw.get("audit", {})),
+        external_upstreams={k: dict(v) for k, v in pre.get("external", {}).items()},
     )
     return cfg
 

@@ -110,9 +110,14 @@ def _upstream_method(wildcards: Any) -> str:
 
 
 def upstream_params(config: Mapping[str, Any], wildcards: Any) -> Any:
-    """The `{upstream}` method's `pretrain.params` entry (config params; a variant's own
-    overrides are in its name, hence in the output path)."""
-    return config.get("pretrain", {}).get("params", {}).get(_upstream_method(wildcards), {})
+    """The `{upstream}` method's `pretrain.params` entry, or its `pretrain.external` entry for
+    a label (config params; a variant's own overrides are in its name, hence in the output
+    path). An external file's content is a rule input, so a changed file reruns too."""
+    pre, method = config.get("pretrain", {}), _upstream_method(wildcards)
+    external = pre.get("external", {})
+    if method in external:
+        return external[method]
+    return pre.get("params", {}).get(method, {})
 
 
 def matched_params(config: Mapping[str, Any], wildcards: Any) -> Any:

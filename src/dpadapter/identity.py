@@ -29,7 +29,11 @@ OVERWRITE_ENV = "DPADAPTER_ALLOW_OVERWRITE"
 # Config fields that change where results go or where jobs run, not what the results are.
 _NOT_IDENTITY = ("results_dir", "tracking", "device")
 # Dataclass fields whose config key has another name.
-_SECTION_OF = {"upstreams": "pretrain", "upstream_params": "pretrain"}
+_SECTION_OF = {
+    "upstreams": "pretrain",
+    "upstream_params": "pretrain",
+    "external_upstreams": "pretrain",
+}
 
 
 def sections(cfg: Config) -> dict[str, Any]:

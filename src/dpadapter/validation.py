@@ -37,6 +37,8 @@ from dpadapter.privacy import max_reachable_epsilon
 from dpadapter.privacy.calibration import SIGMA_MIN
 from dpadapter.train.per_sample.bookkeeping import unsupported_trainable
 from dpadapter.upstream import UPSTREAMS
+from dpadapter.upstream.external import External, WeightsUnavailable, locate_weights
+from dpadapter.upstream.resolve import EXTERNAL, known_names, resolve
 from dpadapter.upstream.variants import format_variant, parse_variant
 
 __all__ = [
@@ -71,6 +73,7 @@ def _full_schema() -> dict[str, Any]:  # parsing the schema's YAML costs 0.1 s; 
         }
 
     plug(props["pretrain"], "params", UPSTREAMS, "method")
+    props["pretrain"]["properties"]["external"]["additionalProperties"] = External.params_schema
     plug(props["finetune"], "algo_params", ALGORITHMS, "algorithm")
     plug(
         props["finetune"]["properties"]["algo_params_for"]["items"],
@@ -92,6 +95,7 @@ def validate(raw: dict[str, Any], check_files: bool = False) -> Config:
     cfg = _parse(raw, validate=False)
     problems = _dataset_family_problems(cfg)
     problems += _name_problems(cfg)
+    problems += _external_problems(cfg)
     problems += _hpo_problems(cfg)
     problems += _federated_problems(cfg)
     problems += _data_problems(cfg)
@@ -100,6 +104,7 @@ def validate(raw: dict[str, Any], check_files: bool = False) -> Config:
     problems += _audit_problems(cfg)
     if check_files:
         problems += file_problems(cfg)
+        problems += weight_problems(cfg)
     if problems:
         raise ConfigError("invalid config:\n" + "\n".join(f"  {p}" for p in problems))
     return cfg
@@ -135,26 +140,45 @@ def validate_files(
         raise locate(exc, files, overrides) from None
 
 
-def variant_problems(name: str, params: dict[str, dict[str, Any]], where: str) -> list[str]:
+def variant_problems(
+    name: str,
+    params: dict[str, dict[str, Any]],
+    where: str,
+    external: dict[str, dict[str, Any]] | None = None,
+) -> list[str]:
     """Problems of an upstream name `method[+param=value]...` against the method's schema.
 
-    The variant's params are the config's `pretrain.params.<method>` with the overrides on top,
-    which is what the pretrain job will construct the method with.
+    The variant's params are the config's `pretrain.params.<method>` (or `pretrain.external.
+    <label>`) with the overrides on top, which is what the pretrain job will construct the
+    method with (`dpadapter.upstream.resolve`).
     """
     try:
-        method, overrides = parse_variant(name)
-    except ValueError as exc:
-        return [f"{where}: {exc}"]
-    if method not in UPSTREAMS:
-        return [f"{where}: unknown upstream method {method!r}; known: {sorted(UPSTREAMS)}"]
-    if not overrides:
+        cls, merged, at = resolve(name, params, external)
+    except (KeyError, ValueError) as exc:
+        return [f"{where}: {exc.args[0]}"]
+    if not parse_variant(name)[1]:
         return []
-    merged = {**params.get(method, {}), **overrides}
-    schema = UPSTREAMS[method].params_schema
     return [
         f"{where}: upstream variant {name!r}: {p}"
-        for p in param_errors(schema, merged, f"pretrain.params.{method}")
+        for p in param_errors(cls.params_schema, merged, at)
     ]
+
+
+def weight_problems(cfg: Config) -> list[str]:
+    """Each external upstream whose weights are not on this machine, with the fetch command."""
+    out = []
+    for name in dict.fromkeys(cfg.upstreams):
+        try:
+            cls, params, at = resolve(name, cfg.upstream_params, cfg.external_upstreams)
+        except (KeyError, ValueError):
+            continue  # reported by _name_problems
+        if cls.name != EXTERNAL or "weights" not in params:
+            continue
+        try:
+            locate_weights(params)
+        except WeightsUnavailable as exc:
+            out.append(f"{at}.weights: {exc}")
+    return out
 
 
 def file_problems(cfg: Config) -> list[str]:
@@ -213,9 +237,9 @@ def _name_problems(cfg: Config) -> list[str]:
                 f"finetune.algorithms: unknown algorithm {name!r}; known: {sorted(ALGORITHMS)}"
             )
     for name in cfg.upstreams:
-        if name not in UPSTREAMS:
+        if name not in UPSTREAMS and name not in cfg.external_upstreams:
             problems.append(
-                f"pretrain.methods: unknown upstream method {name!r}; known: {sorted(UPSTREAMS)}"
+                f"pretrain.methods: unknown upstream method {name!r}; known: {known_names(cfg)}"
             )
     match = cfg.upstream_params.get("control", {}).get("match")
     if match is not None and not hasattr(UPSTREAMS.get(match), "sgd_config"):
@@ -324,6 +348,52 @@ def _federated_problems(cfg: Config) -> list[str]:
     for t in sorted({f.rounds, *f.rounds_sweep}):
         if f.ut_t1 == "rule" and (m - 1) * max(1, t // (2 * m)) > t - 1:
             out.append(f"federated.estimate_points: {m} points do not fit in {t} rounds")
+    return out
+
+
+def _external_problems(cfg: Config) -> list[str]:
+    """Labels of `pretrain.external`, and each external upstream's params against the data."""
+    out = []
+    for label in cfg.external_upstreams:
+        if label in UPSTREAMS:
+            out.append(
+                f"pretrain.external.{label}: the label is a registered method's name; "
+                "pick another (it becomes an upstream name)"
+            )
+        elif label not in cfg.upstreams:
+            out.append(f"pretrain.external.{label}: not in pretrain.methods, so never built")
+    norm = cfg.data.normalization
+    identity = norm is not None and all(m == 0 for m in norm[0]) and all(s == 1 for s in norm[1])
+    for name in dict.fromkeys(cfg.upstreams):
+        try:
+            cls, params, at = resolve(name, cfg.upstream_params, cfg.external_upstreams)
+        except (KeyError, ValueError):
+            continue
+        if cls.name != EXTERNAL:
+            continue
+        found = param_errors(cls.params_schema, params, at)
+        if found:  # e.g. `external` in pretrain.methods with no pretrain.params.external
+            out += found
+            continue
+        model = params["model"]
+        if not model.startswith("timm:") and model not in MODEL_NAMES:
+            out.append(
+                f"{at}.model: unknown model {model!r}; known: {sorted(MODEL_NAMES)} or timm:<name>"
+            )
+            continue
+        method = cls(params)
+        try:
+            method.adapter_spec(1)
+        except ValueError as exc:
+            out.append(f"{at}.input.normalization: {exc}")
+            continue
+        if method.normalizes() and not identity:
+            out.append(
+                f"data.normalization: {at} normalises in its input adapter (input.normalization "
+                "is not `data`), so the images must arrive in [0, 1]: set data.normalization to "
+                "{mean: [0, ...], std: [1, ...]} (one entry per channel of the data), or "
+                f"{at}.input.normalization: data"
+            )
     return out
 
 

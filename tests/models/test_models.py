@@ -4,15 +4,26 @@ from opacus.validators import ModuleValidator
 
 from dpadapter.config import ModelConfig
 from dpadapter.models import create_model, get_head_params, replace_head
+from dpadapter.models.batchnorm import freeze_batchnorm
 
 
-@pytest.mark.parametrize("name", ["resnet20-gn", "cnn-gn", "timm:resnet18"])
-def test_models_pass_opacus_validation_and_swap_heads(name):
-    model = create_model(ModelConfig(name, 8, 16), num_classes=5, in_chans=1, seed=0)
+@pytest.mark.parametrize(
+    "name,batchnorm",
+    [
+        ("resnet20-gn", "freeze"),
+        ("cnn-gn", "freeze"),
+        ("timm:resnet18", "groupnorm"),
+        ("timm:resnet18", "freeze"),
+    ],
+)
+def test_models_pass_opacus_validation_and_swap_heads(name, batchnorm):
+    model = create_model(ModelConfig(name, 8, 16, batchnorm), num_classes=5, in_chans=1, seed=0)
+    if batchnorm == "freeze":  # what dp_fit does before its own validation
+        freeze_batchnorm(model)
     assert ModuleValidator.validate(model, strict=False) == []
     x = torch.randn(3, 1, 32, 32)
     assert model(x).shape == (3, 5)
-    body = {k: v.clone() for k, v in model.state_dict().items()}
+    body = {k: v.detach().clone() for k, v in model.named_parameters()}
     replace_head(model, 7, seed=1)
     assert model(x).shape == (3, 7)
     head_ids = {id(p) for p in get_head_params(model)}

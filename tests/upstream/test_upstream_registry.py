@@ -21,6 +21,7 @@ HOME = {
     "sam": "sam",
     "dpadapter": "dpadapter",
     "dpadapter-ema": "dpadapter",
+    "external": "external",
 }
 
 
@@ -43,5 +44,5 @@ def test_the_shared_step_registers_nothing():
 
 def test_registry_order_is_unchanged():
     """The config schema lists `pretrain.params` in registry order (dpadapter.validation)."""
-    order = ["scratch", "standard", "control", "sam", "dpadapter", "dpadapter-ema"]
+    order = ["scratch", "standard", "control", "sam", "dpadapter", "dpadapter-ema", "external"]
     assert list(UPSTREAMS) == order

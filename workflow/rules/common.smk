@@ -16,8 +16,9 @@ from dpadapter import identity as _identity
 from dpadapter import tracking as _tracking
 from dpadapter import validation as _validation
 from dpadapter.fingerprint import stage_fingerprint
-from dpadapter.upstream import UPSTREAMS as _UPSTREAM_REGISTRY
-from dpadapter.upstream.variants import VARIANT_RE, parse_variant
+from dpadapter.upstream.resolve import method_class as _method_class
+from dpadapter.upstream.resolve import weights_file as _weights_file
+from dpadapter.upstream.variants import VARIANT_RE
 
 # Opacus calls logging.basicConfig() at import, which would print every Snakemake message twice.
 logging.root.handlers.clear()
@@ -119,19 +120,26 @@ def out_dir(wildcards, output):
 
 
 def pretrain_inputs(wildcards):
-    """Methods that build on the warm-up get its checkpoint; scratch gets nothing.
+    """Methods that build on the warm-up get its checkpoint; scratch gets nothing; an external
+    upstream with a local weights file gets that file (a changed file reruns the job).
 
     A variant asked for on the command line (`results/pretrain/dpadapter+gama=1/...`) is
     checked against the method's params schema here, while the DAG is built, before any job.
+    Names resolve as the jobs resolve them (dpadapter.upstream.resolve: labels of
+    `pretrain.external` too).
     """
     problems = _validation.variant_problems(
-        wildcards.upstream, CFG.upstream_params, "{upstream} wildcard"
+        wildcards.upstream, CFG.upstream_params, "{upstream} wildcard", CFG.external_upstreams
     )
     if problems:
         raise WorkflowError("invalid upstream variant:\n" + "\n".join(problems))
-    if _UPSTREAM_REGISTRY[parse_variant(wildcards.upstream)[0]].needs_warmup:
-        return {"warmup": f"{RESULTS}/warmup/model.pt"}
-    return {}
+    inputs = {}
+    if _method_class(CFG, wildcards.upstream).needs_warmup:
+        inputs["warmup"] = f"{RESULTS}/warmup/model.pt"
+    weights = _weights_file(CFG, wildcards.upstream)
+    if weights is not None:
+        inputs["weights"] = weights
+    return inputs
 
 
 wildcard_constraints:

@@ -39,6 +39,7 @@ from dpadapter.federated.partition import dirichlet_partition
 from dpadapter.federated.simulation import Client, Federation, MechanismRun
 from dpadapter.job import seed_everything, training_job
 from dpadapter.models import replace_head
+from dpadapter.models.batchnorm import freeze_batchnorm
 from dpadapter.privacy import Segment, calibrate_sigma
 from dpadapter.strategies import FT, PHASES, apply_phase, get_strategy, released_dims
 from dpadapter.train.batching import wants_padding
@@ -173,6 +174,7 @@ def run(
     dev = devices.resolve(cfg.device)
     model, _ = load_model(ckpt)
     replace_head(model, data.num_classes, seed)
+    freeze_batchnorm(model, cfg.finetune.bn_affine)  # as dp_fit does: public statistics only
     model.to(dev)
     data = data.to(dev)
     x, y = data.train.tensors

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from dpadapter.config import ModelConfig
+from dpadapter.models.batchnorm import apply_batchnorm_choice
 from dpadapter.models.dpnas import DPNASMNIST
 from dpadapter.models.nets import ResNet20GN, SmallCNN
 from dpadapter.models.pretrain_dpfl import PretrainDPFLCNN
@@ -20,20 +21,33 @@ MODEL_NAMES = {
 }
 
 
-def create_model(cfg: ModelConfig, num_classes: int, in_chans: int, seed: int) -> nn.Module:
-    """Build with an explicit seed; timm backbones get their BatchNorms replaced by GroupNorm.
+def create_model(
+    cfg: ModelConfig,
+    num_classes: int,
+    in_chans: int,
+    seed: int,
+    timm_args: dict | None = None,
+) -> nn.Module:
+    """Build with an explicit seed; a timm backbone's BatchNorms follow `model.batchnorm`.
 
-    Never loads weights from a hub (pretrained=False): upstream weights come from this pipeline.
+    Never loads weights (pretrained=False): upstream weights come from this pipeline or, for
+    the `external` upstream method, from a file it loads itself (dpadapter.upstream.external).
+    `timm_args` go to `timm.create_model` (e.g. a ViT's img_size); pipeline models take none.
     """
     torch.manual_seed(seed)
     if cfg.name.startswith("timm:"):
         import timm
-        from opacus.validators import ModuleValidator
 
         model = timm.create_model(
-            cfg.name[5:], pretrained=False, num_classes=num_classes, in_chans=in_chans
+            cfg.name[5:],
+            pretrained=False,
+            num_classes=num_classes,
+            in_chans=in_chans,
+            **(timm_args or {}),
         )
-        return ModuleValidator.fix(model)
+        return apply_batchnorm_choice(model, cfg.batchnorm)
+    if timm_args:
+        raise ValueError(f"model {cfg.name!r} takes no timm arguments, got {sorted(timm_args)}")
     try:
         cls = MODEL_NAMES[cfg.name]
     except KeyError:

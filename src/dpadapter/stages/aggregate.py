@@ -103,8 +103,9 @@ def table1_markdown(
                     f"{100 * statistics.fmean(vals):.1f}" if len(vals) == len(tasks) else "–"
                 )
             if pretrain:
+                # one pre-training run per upstream method; none reported for external weights
                 p = pretrain.get(u, {})
-                # one pre-training run per upstream method
+                p = p if "public_test_accuracy" in p else {}
                 cells += [
                     cell(Stat(p["public_test_accuracy"], 0.0, 1)) if p else "–",
                     cell(Stat(p["public_test_robust_accuracy"], 0.0, 1)) if p else "–",

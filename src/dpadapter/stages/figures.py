@@ -25,6 +25,8 @@ def _pretrain_rows(paths: list[Path]) -> list[dict]:
     rows = []
     for p in paths:
         m = json.loads(Path(p).read_text())
+        if "public_test_accuracy" not in m:
+            continue  # external weights report no public accuracy (stages/pretrain.py)
         name = m["wildcards"]["upstream"]
         method, overrides = parse_variant(name)
         gamma = overrides.get("gamma", m.get("hyperparameters", {}).get("gamma"))

@@ -152,7 +152,7 @@ def run(
         metrics["checkpoint"] = save_model(
             out_dir / "model.pt",
             model,
-            cfg.model,
+            ckpt_meta["model"],  # the backbone it was loaded as (an external one is not cfg.model)
             data.num_classes,
             ckpt_meta["in_chans"],
             {"task": task},

@@ -12,8 +12,8 @@ from dpadapter.job import seed_everything, training_job
 from dpadapter.train.checkpoint import file_sha256, load_model, save_model
 from dpadapter.train.loops import evaluate, robust_accuracy
 from dpadapter.train.resume import ResumeFile, resume_file_path
-from dpadapter.upstream import UPSTREAMS, UpstreamContext
-from dpadapter.upstream.variants import parse_variant
+from dpadapter.upstream import UpstreamContext
+from dpadapter.upstream.resolve import method_for
 
 
 def public_report(cfg: Config, model, public: RoleData) -> dict:
@@ -29,10 +29,8 @@ def public_report(cfg: Config, model, public: RoleData) -> dict:
 
 
 def run(cfg: Config, method_name: str, out_dir: Path, warmup_ckpt: Path | None) -> dict:
-    base, overrides = parse_variant(method_name)
-    if base not in UPSTREAMS:
-        raise KeyError(f"unknown upstream method {base!r}; known: {sorted(UPSTREAMS)}")
-    method = UPSTREAMS[base]({**cfg.upstream_params.get(base, {}), **overrides})
+    method = method_for(cfg, method_name)
+    base = method.name
     seed_everything(cfg.seed)
     plan, roles = build_splits(cfg, ["public"])
     dev = devices.resolve(cfg.device)
@@ -93,15 +91,28 @@ def run(cfg: Config, method_name: str, out_dir: Path, warmup_ckpt: Path | None) 
             resume=resume,
         )
         model = method.build(ctx).to(dev)  # scratch is built on the CPU
-        metrics.update(public_report(cfg, model, public))
+        if method.public_report:
+            metrics.update(public_report(cfg, model, public))
+        else:
+            metrics["public_report"] = (
+                f"skipped: {base} weights come with a head trained on other classes than the "
+                "public set's, so its public test accuracy measures nothing"
+            )
+        source = method.provenance()
+        if source is not None:
+            metrics["weights"] = source
+            run_.log_params(
+                {"weights_source": source["source"], "weights_sha256": source["sha256"]}
+            )
         metrics["hyperparameters"] = {"upstream": base, **method.params, "seed": cfg.seed}
         run_.log_metrics({k: v for k, v in metrics.items() if isinstance(v, float)})
+        record, in_chans = method.checkpoint_model(ctx)
         metrics["checkpoint"] = save_model(
             out_dir / "model.pt",
             model,
-            cfg.model,
+            record,
             public.num_classes,
-            plan.in_chans,
+            in_chans,
             {"upstream": method_name},
         )
     resume.clear()

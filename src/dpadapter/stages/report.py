@@ -106,6 +106,9 @@ def upstream_markdown(pretrain: list[Path], order: list[str]) -> str:
     ]
     for u in names:
         m = by[u]
+        if "public_test_accuracy" not in m:  # external weights: their head is not the public one
+            lines.append(f"| {u} | – | – | – |")
+            continue
         a, r = m["public_test_accuracy"], m["public_test_robust_accuracy"]
         lines.append(
             f"| {u} | {cell(Stat(a, 0.0, 1))} | {cell(Stat(r, 0.0, 1))} | {100 * (r - a):+.1f} |"

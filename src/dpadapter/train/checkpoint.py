@@ -21,12 +21,45 @@ from torch import nn
 
 from dpadapter.config import ModelConfig
 from dpadapter.models import create_model
+from dpadapter.models.input_adapter import AdapterSpec, adapt
+
+
+def model_record(model_cfg: ModelConfig | dict[str, Any]) -> dict[str, Any]:
+    """How to rebuild the backbone: `model_cfg`'s fields, or a record taken from a checkpoint.
+
+    A checkpoint carries the model it was built with, not the config's `model` (an `external`
+    upstream brings its own backbone), so a job that saves a model it loaded passes the loaded
+    record on. A pipeline model's record is as it always was (same checkpoint bytes); a timm
+    model's also names its BatchNorm choice. An external backbone adds `timm_args` and `input`
+    (the `InputAdapter`'s spec).
+    """
+    if isinstance(model_cfg, dict):
+        return dict(model_cfg)
+    rec: dict[str, Any] = {
+        "name": model_cfg.name,
+        "groups": model_cfg.groups,
+        "width": model_cfg.width,
+    }
+    if model_cfg.name.startswith("timm:"):
+        rec["batchnorm"] = model_cfg.batchnorm
+    return rec
+
+
+def build_from_record(record: dict[str, Any], num_classes: int, in_chans: int) -> nn.Module:
+    """The model a checkpoint's `model` record describes, freshly initialised (seed 0)."""
+    rec = dict(record)
+    timm_args = rec.pop("timm_args", None)
+    spec = rec.pop("input", None)
+    # Before `model.batchnorm` existed every timm model was built with GroupNorm.
+    rec.setdefault("batchnorm", "groupnorm")
+    backbone = create_model(ModelConfig(**rec), num_classes, in_chans, seed=0, timm_args=timm_args)
+    return adapt(backbone, AdapterSpec.from_dict(spec) if spec else None)
 
 
 def save_model(
     path: str | Path,
     model: nn.Module,
-    model_cfg: ModelConfig,
+    model_cfg: ModelConfig | dict[str, Any],
     num_classes: int,
     in_chans: int,
     meta: dict[str, Any],
@@ -34,7 +67,9 @@ def save_model(
     """Write the checkpoint atomically; return its `checkpoint` record for metrics.json.
 
     The hash is taken of the very bytes written (serialised in memory first), so the record
-    describes this file and nothing else.
+    describes this file and nothing else. `model_cfg` is the config's model or the `model`
+    record of the checkpoint the model was loaded from (`model_record`); `in_chans` is what
+    the backbone is built with.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -42,7 +77,7 @@ def save_model(
     buf = io.BytesIO()
     torch.save(
         {
-            "model": {"name": model_cfg.name, "groups": model_cfg.groups, "width": model_cfg.width},
+            "model": model_record(model_cfg),
             "num_classes": num_classes,
             "in_chans": in_chans,
             "state_dict": {
@@ -122,9 +157,7 @@ def load_model(path: str | Path) -> tuple[nn.Module, dict[str, Any]]:
     verify_checkpoint(path)
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
-        model = create_model(
-            ModelConfig(**ckpt["model"]), ckpt["num_classes"], ckpt["in_chans"], seed=0
-        )
+        model = build_from_record(ckpt["model"], ckpt["num_classes"], ckpt["in_chans"])
         model.load_state_dict(ckpt["state_dict"])
     except Exception as exc:  # any unreadable file: truncated zip, foreign pickle, wrong keys
         raise CheckpointError(

@@ -19,6 +19,7 @@ from torch.utils.data import Dataset, TensorDataset
 from dpadapter import device as devices
 from dpadapter.algorithms import ALGORITHMS, DPRunSpec
 from dpadapter.config import Config
+from dpadapter.models.batchnorm import freeze_batchnorm
 from dpadapter.privacy import PrivacyLedger
 from dpadapter.strategies import Schedule, apply_phase
 from dpadapter.train.batching import PAD_LABEL, dp_batches, masked_cross_entropy
@@ -52,6 +53,7 @@ class FitSettings:
     # autocast of the DP step's forward/backward (train.per_sample.precision); fp32: none
     precision: str = "fp32"
     per_sample_check: bool = True  # the wrap-time self-test (train.per_sample.self_test)
+    bn_affine: str = "train"
 
     @classmethod
     def from_config(cls, cfg: Config, lr: float | None = None) -> FitSettings:
@@ -67,6 +69,7 @@ class FitSettings:
             optimizer=ft.optimizer,
             precision=ft.precision,
             per_sample_check=ft.per_sample_check,
+            bn_affine=ft.bn_affine,
         )
 
 
@@ -113,6 +116,9 @@ def dp_fit(
     batches, noise and releases of an uninterrupted one, and its ledger keeps the releases made
     before the interruption.
     """
+    # BatchNorm kept from (non-private) pre-training is frozen before anything reads the model's
+    # parameters (a no-op without BatchNorm): its statistics stay the public ones.
+    freeze_batchnorm(model, settings.bn_affine)
     if schedule is not None:
         apply_phase(model, schedule.phase(0))
     errors = ModuleValidator.validate(model, strict=False)

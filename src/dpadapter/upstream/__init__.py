@@ -4,6 +4,7 @@ from dpadapter.upstream import basic as _basic  # noqa: F401  (registers scratch
 from dpadapter.upstream import control as _control  # noqa: F401  (registers control)
 from dpadapter.upstream import sam as _sam  # noqa: F401  (registers sam)
 from dpadapter.upstream import dpadapter as _dpadapter  # noqa: F401  (dpadapter, dpadapter-ema)
+from dpadapter.upstream import external as _external  # noqa: F401  (registers external)
 
 # isort: on
 from dpadapter.upstream.base import UPSTREAMS, UpstreamContext, UpstreamMethod, register_upstream

@@ -12,7 +12,7 @@ from typing import Any, ClassVar
 
 from torch import nn
 
-from dpadapter.config import Config
+from dpadapter.config import Config, ModelConfig
 from dpadapter.data.tasks import RoleData, SplitPlan
 from dpadapter.param_schema import param_errors, params_object
 from dpadapter.train.resume import ResumeFile
@@ -47,6 +47,9 @@ class UpstreamMethod:
     name: ClassVar[str] = "base"
     needs_warmup: ClassVar[bool] = True
     needs_public_data: ClassVar[bool] = True
+    # Whether the pretrain job reports accuracy on the public test split (its classes are the
+    # head's); False for weights whose head was trained on other classes.
+    public_report: ClassVar[bool] = True
 
     # JSON schema of `pretrain.params.<name>` (and of variant overrides): the config validation
     # refuses a typo or a wrong type before any job, and the constructor checks it again.
@@ -65,3 +68,11 @@ class UpstreamMethod:
 
     def build(self, ctx: UpstreamContext) -> nn.Module:
         raise NotImplementedError
+
+    def checkpoint_model(self, ctx: UpstreamContext) -> tuple[ModelConfig | dict[str, Any], int]:
+        """(model record, in_chans) the built model is rebuilt from (after `build`)."""
+        return ctx.cfg.model, ctx.plan.in_chans
+
+    def provenance(self) -> dict[str, Any] | None:
+        """Where weights not trained here came from (source, sha256), after `build`."""
+        return None

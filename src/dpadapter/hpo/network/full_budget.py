@@ -98,7 +98,7 @@ def final_budget_run(
             metrics["checkpoint"] = save_model(
                 out_dir / "model.pt",
                 res.model,
-                cfg.model,
+                res.checkpoint_meta["model"],
                 d.num_classes,
                 res.checkpoint_meta["in_chans"],
                 {"task": p["task"], "hpo": role},
