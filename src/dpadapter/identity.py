@@ -15,6 +15,7 @@ produced a results folder.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -80,13 +81,66 @@ def _leaves(d: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix.rstrip("."): d}
 
 
+def _defaults(obj: Any, prefix: str = "") -> set[str]:
+    """Keys (as `_leaves` names them) whose value is their dataclass field's default."""
+    out: set[str] = set()
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            top = not prefix and f.name in _SECTION_OF  # e.g. upstreams: pretrain.upstreams
+            name = f"{_SECTION_OF[f.name]}.{f.name}" if top else f.name
+            if f.default is not dataclasses.MISSING:
+                default = f.default
+            elif f.default_factory is not dataclasses.MISSING:
+                default = f.default_factory()
+            else:
+                default = dataclasses.MISSING
+            if default is not dataclasses.MISSING and value == default:
+                out.add(prefix + name)
+            out |= _defaults(value, f"{prefix}{name}.")
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            out |= _defaults(v, f"{prefix}{k}.")
+    elif isinstance(obj, list | tuple):
+        for i, v in enumerate(obj):
+            out |= _defaults(v, f"{prefix}{i}.")
+    return out
+
+
+def _same_but_new_defaults(key: str, old: Any, new: Any, at_default: set[str]) -> bool:
+    """A list of records (e.g. reference.cells) whose records only gained fields at default."""
+    if not (isinstance(old, list) and isinstance(new, list) and len(old) == len(new)):
+        return False
+    for i, (o, n) in enumerate(zip(old, new, strict=True)):
+        if not (isinstance(o, dict) and isinstance(n, dict)):
+            return False
+        kept = {f: v for f, v in n.items() if f in o or f"{key}.{i}.{f}" not in at_default}
+        if kept != o:
+            return False
+    return True
+
+
+def _changed(stored: dict, cfg: Config) -> list[str]:
+    """Keys whose values differ, but for an option the stored identity predates: a key the
+    code added since, at its default (defaults keep what older code did), is no change."""
+    lo, ln = _leaves(stored.get("sections", {})), _leaves(sections(cfg))
+    missing = "(unset)"
+    keys = [k for k in set(lo) | set(ln) if lo.get(k, missing) != ln.get(k, missing)]
+    at_default = _defaults(cfg)
+    return sorted(
+        k
+        for k in keys
+        if (k in lo or k not in at_default)
+        and not (k in lo and k in ln and _same_but_new_defaults(k, lo[k], ln[k], at_default))
+    )
+
+
 def differences(stored: dict, cfg: Config) -> tuple[list[str], list[str]]:
     """(top-level sections that differ, up to 6 `key: old -> new` lines)."""
-    old, new = stored.get("sections", {}), sections(cfg)
-    names = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
-    lo, ln = _leaves(old), _leaves(new)
+    lo, ln = _leaves(stored.get("sections", {})), _leaves(sections(cfg))
     missing = "(unset)"
-    keys = sorted(k for k in set(lo) | set(ln) if lo.get(k, missing) != ln.get(k, missing))
+    keys = _changed(stored, cfg)
+    names = sorted({k.split(".")[0] for k in keys})
     lines = [f"{k}: {lo.get(k, missing)!r} -> {ln.get(k, missing)!r}" for k in keys[:6]]
     if len(keys) > 6:
         lines.append(f"... and {len(keys) - 6} more")
@@ -96,7 +150,7 @@ def differences(stored: dict, cfg: Config) -> tuple[list[str], list[str]]:
 def check(cfg: Config) -> str | None:
     """A warning when `cfg.results_dir` holds results of another config, else None."""
     stored = read(cfg.results_dir)
-    if stored is None or stored.get("hash") == config_hash(cfg):
+    if stored is None or stored.get("hash") == config_hash(cfg) or not _changed(stored, cfg):
         return None
     names, lines = differences(stored, cfg)
     folder = cfg.results_dir

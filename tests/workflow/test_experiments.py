@@ -48,6 +48,36 @@ def test_identity_names_the_sections_that_differ(tiny_raw, tmp_path):
     assert [p["hash"] for p in stored["previous"]] == [config_hash(a)]
 
 
+def _drop(stored: dict, key: str) -> None:
+    *path, last = key.split(".")
+    d = stored["sections"]
+    for p in path:
+        d = d[p]
+    del d[last]
+
+
+def test_an_option_added_by_an_upgrade_is_no_difference_at_its_default(tiny_raw, tmp_path):
+    """A results folder recorded by older code lacks the options added since; at their
+    defaults (which keep what older code did) they are not a change, but set otherwise, or
+    with any other key changed, the folder is still refused."""
+    tiny_raw["results_dir"] = str(tmp_path / "res")
+    a = from_dict(tiny_raw)
+    record(a)
+    path = tmp_path / "res" / IDENTITY_FILE
+    stored = json.loads(path.read_text())
+    for key in ("finetune.precision", "model.batchnorm", "tasks.syn-same.channels"):
+        _drop(stored, key)  # as older code wrote it
+    stored["hash"] = "0" * 16
+    path.write_text(json.dumps(stored))
+    assert check(a) is None
+    tiny_raw["finetune"]["precision"] = "bf16"
+    msg = check(from_dict(tiny_raw))
+    assert msg is not None and "finetune.precision: '(unset)' -> 'bf16'" in msg
+    tiny_raw["finetune"]["precision"] = "fp32"
+    tiny_raw["finetune"]["lr"] = 0.123
+    assert "finetune.lr: 0.5 -> 0.123" in check(from_dict(tiny_raw))
+
+
 @pytest.mark.slow
 def test_a_config_keeps_its_outputs_and_refuses_to_overwrite_another(tiny_raw, tmp_path):
     wd = tmp_path
@@ -89,3 +119,15 @@ def test_a_config_keeps_its_outputs_and_refuses_to_overwrite_another(tiny_raw, t
     assert r.returncode == 0, r.stderr[-3000:]
     assert model.read_bytes() != before[1]
     assert "another config" not in _snakemake(wd, "-n", "results/warmup/model.pt").stderr
+
+
+def test_records_in_a_list_that_gained_a_field_at_its_default_are_unchanged():
+    from dpadapter.identity import _same_but_new_defaults
+
+    old = [{"algorithm": "dpsgd", "mean": 80.0}]
+    new = [{"algorithm": "dpsgd", "mean": 80.0, "task": None}]
+    at_default = {"reference.cells.0.task"}
+    assert _same_but_new_defaults("reference.cells", old, new, at_default)
+    assert not _same_but_new_defaults("reference.cells", old, new, set())  # set on purpose
+    changed = [{"algorithm": "dpsgd", "mean": 81.0, "task": None}]
+    assert not _same_but_new_defaults("reference.cells", old, changed, at_default)
