@@ -93,7 +93,7 @@ def validate(raw: dict[str, Any], check_files: bool = False) -> Config:
     raw = copy.deepcopy(raw)
     validate_raw(raw, _full_schema())
     cfg = _parse(raw, validate=False)
-    problems = _dataset_family_problems(cfg)
+    problems = _dataset_family_problems(cfg, check_files)
     problems += _name_problems(cfg)
     problems += _external_problems(cfg)
     problems += _hpo_problems(cfg)
@@ -198,14 +198,15 @@ def file_problems(cfg: Config) -> list[str]:
 # --- names ---------------------------------------------------------------------------------
 
 
-def _dataset_family_problems(cfg: Config) -> list[str]:
+def _dataset_family_problems(cfg: Config, check_files: bool) -> list[str]:
     """Datasets named `<family>:<spec>` (imagefolder:<path>@<side>) are registered from what
-    `data.root` holds now (their class counts), or reported with the path they lack."""
+    `data.root` holds now (their class counts), or reported with the path they lack (only
+    with `check_files`, as any dataset's files: without, their counts go unchecked)."""
     out, seen = [], set()
     for where, split in _roles(cfg):
         if split.dataset not in seen:
             seen.add(split.dataset)
-            problem = resolve_dataset(split.dataset, cfg.data.root)
+            problem = resolve_dataset(split.dataset, cfg.data.root, missing_ok=not check_files)
             if problem:
                 out.append(f"{where}.dataset: {problem}")
     return out

@@ -78,10 +78,12 @@ def test_counts_come_from_the_listing_at_validation(root):
 def test_missing_folder_and_bad_names_fail_validation_naming_the_key(tmp_path, root):
     raw = _raw(root)
     raw["data"]["root"] = str(tmp_path / "elsewhere")
+    validate(raw)  # data not there (yet) is the workflow's file check, as for any dataset
     with pytest.raises(ConfigError) as exc:
-        validate(raw)
+        validate(raw, check_files=True)
     msg = str(exc.value)
     assert "public.dataset: image folder" in msg and str(tmp_path / "elsewhere/pics/tiny") in msg
+    assert msg.count("image folder") == 1  # reported once
     assert "unknown dataset" not in msg
     assert NAME not in DATASET_INFO  # a failed reading leaves no stale entry
     raw = _raw(root)
@@ -92,7 +94,7 @@ def test_missing_folder_and_bad_names_fail_validation_naming_the_key(tmp_path, r
 
     shutil.rmtree(root / "pics" / "tiny" / "val")
     with pytest.raises(ConfigError, match=r"public\.dataset: .*tiny/val is not a folder"):
-        validate(_raw(root))
+        validate(_raw(root), check_files=True)
     assert "tiny/val is not a folder" in missing_files(NAME, root, False)
 
 

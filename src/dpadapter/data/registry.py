@@ -98,9 +98,10 @@ def family_of(name: str) -> str | None:
     return prefix if sep and prefix in FAMILIES else None
 
 
-def resolve_dataset(name: str, root: str | Path) -> str | None:
+def resolve_dataset(name: str, root: str | Path, missing_ok: bool = False) -> str | None:
     """For a family name, (re)register it as found under `root`; return why it cannot be, or
-    None (also for a plain name, whose entry is static)."""
+    None (also for a plain name, whose entry is static). `missing_ok`: data that is not there
+    (yet) is no problem, the name stays unregistered (a config check without file checks)."""
     family = family_of(name)
     if family is None:
         return None
@@ -108,7 +109,9 @@ def resolve_dataset(name: str, root: str | Path) -> str | None:
     DATASET_INFO.pop(name, None)
     try:
         loader, info = FAMILIES[family](name.partition(":")[2], Path(root))
-    except (DatasetUnavailable, ValueError) as exc:
+    except DatasetUnavailable as exc:
+        return None if missing_ok else str(exc)
+    except ValueError as exc:
         return str(exc)
     DATASETS[name] = loader
     DATASET_INFO[name] = info
