@@ -16,7 +16,6 @@ its jobs in the table (200 steps per job; 20 jobs per budget: 2 datasets x 2 alg
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import tempfile
 import time
@@ -111,7 +110,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--modes", default="bk")
     ap.add_argument("--precisions", default="fp32,bf16")
     ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--quick", action="store_true", help="tiny shapes on the CPU: checks the script")
+    ap.add_argument("--quick", action="store_true", help="tiny shapes on the CPU (a check)")
     args = ap.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     n, batch, physical = 40_000, 1000, 100

@@ -9,8 +9,17 @@ from bench_scripts import import_bench
 def test_quick_run_times_every_setting(tmp_path):
     bench = import_bench("gpu_external_timing")
     out = bench.main(
-        ["--quick", "--steps", "2", "--modes", "bk,functorch", "--precisions", "fp32,bf16",
-         "--out", str(tmp_path / "t.json")]  # fmt: skip
+        [
+            "--quick",
+            "--steps",
+            "2",
+            "--modes",
+            "bk,functorch",
+            "--precisions",
+            "fp32,bf16",
+            "--out",
+            str(tmp_path / "t.json"),
+        ]  # fmt: skip
     )
     rows = out["rows"]
     assert [(r["mode"], r["precision"]) for r in rows] == [
