@@ -216,17 +216,25 @@ class BookKeepingModule(nn.Module):
                 p.requires_grad_(True)
             self._switched_off = []
 
+    def _first_call(self, module: nn.Module, what: str, hint: str) -> dict[str, nn.Parameter]:
+        """The module's trained parameters; a second call in one forward is refused (checked
+        first: after the first call its parameters may be switched off)."""
+        if module in self.records:
+            raise RuntimeError(
+                f"grad_sample_mode 'bk': {what} is called twice in one forward; {hint}"
+            )
+        return {n: p for n, p in module.named_parameters(recurse=False) if p.requires_grad}
+
     def _before_layer(self, module: nn.Module, args: tuple) -> None:
         if self._replaying or not torch.is_grad_enabled():
             return
         if not args or not isinstance(args[0], torch.Tensor):
             return
-        if module in self.records:  # checked first: its parameters may be switched off now
-            raise RuntimeError(
-                f"grad_sample_mode 'bk': {type(module).__name__} is called twice in one forward; "
-                "book-keeping supports one call per layer (use hooks or ew)"
-            )
-        trained = {n: p for n, p in module.named_parameters(recurse=False) if p.requires_grad}
+        trained = self._first_call(
+            module,
+            type(module).__name__,
+            "book-keeping supports one call per layer (use hooks or ew)",
+        )
         if not trained:
             return
         x = args[0]
@@ -253,12 +261,9 @@ class BookKeepingModule(nn.Module):
             if self._replaying or not torch.is_grad_enabled():
                 return
             what = f"{name or '<root>'} ({type(module).__name__})"
-            if module in self.records:  # checked first: its parameters may be switched off now
-                raise RuntimeError(
-                    f"grad_sample_mode 'bk': {what} is called twice in one forward; "
-                    "book-keeping supports one call per module with trained parameters"
-                )
-            trained = {n: p for n, p in module.named_parameters(recurse=False) if p.requires_grad}
+            trained = self._first_call(
+                module, what, "book-keeping supports one call per module with trained parameters"
+            )
             if not trained:
                 return
             if _mixes_examples(module):

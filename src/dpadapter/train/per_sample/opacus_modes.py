@@ -16,6 +16,13 @@ is preferred over copying the input to row-major: a copy per conv per step would
 silently, and the refusal names the conv, so the user picks `ew`/`functorch` or a row-major
 model. Sliced (non-dense) inputs are copied by `F.pad` and come out right, so they pass.
 tests/train/test_hooks_channels_last.py reproduces the error on raw Opacus.
+
+`hooks` and `functorch` put their hooks on every module with parameters, whatever is trainable
+when the model is wrapped, and a module frozen at the moment records nothing. Opacus hooks only
+the modules trainable at wrap time, so a strategy that unfreezes layers later (UT's switch from
+the head to every parameter) had no per-example gradients for them, and its backward hook fires
+on a frozen module the gradient passes through (BiTFiT: a bias-free conv between trained
+biases) and fails for lack of activations.
 """
 
 from __future__ import annotations
@@ -24,8 +31,10 @@ import functools
 from typing import TYPE_CHECKING
 
 import torch
+from opacus.grad_sample import GradSampleModule
 from opacus.grad_sample.utils import wrap_model
 from opacus.optimizers import DPOptimizer
+from opacus.utils.module_utils import requires_grad
 from torch import nn
 
 from dpadapter.device import full_fp32
@@ -36,8 +45,29 @@ if TYPE_CHECKING:
 OPACUS_MODES = ("hooks", "functorch", "ew")
 
 
+class _PhasedGradSampleModule(GradSampleModule):
+    """Opacus' hooks/functorch module whose frozen modules (for now) record nothing."""
+
+    def capture_backprops_hook(self, module: nn.Module, *args, **kwargs) -> None:
+        if not requires_grad(module):
+            return None
+        return super().capture_backprops_hook(module, *args, **kwargs)
+
+
 def wrap_opacus(model: nn.Module, mode: str) -> nn.Module:
-    wrapped = wrap_model(model, grad_sample_mode=mode, batch_first=True, loss_reduction="mean")
+    if mode in ("hooks", "functorch"):
+        frozen = [p for p in model.parameters() if not p.requires_grad]
+        for p in frozen:  # hooked too: a phase may train them later
+            p.requires_grad_(True)
+        try:
+            wrapped = _PhasedGradSampleModule(
+                model, batch_first=True, loss_reduction="mean", force_functorch=mode == "functorch"
+            )
+        finally:
+            for p in frozen:
+                p.requires_grad_(False)
+    else:
+        wrapped = wrap_model(model, grad_sample_mode=mode, batch_first=True, loss_reduction="mean")
     if mode == "hooks":
         _guard_conv_layouts(wrapped, model)
     return wrapped
