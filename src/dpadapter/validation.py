@@ -206,7 +206,9 @@ def _dataset_family_problems(cfg: Config, check_files: bool) -> list[str]:
     for where, split in _roles(cfg):
         if split.dataset not in seen:
             seen.add(split.dataset)
-            problem = resolve_dataset(split.dataset, cfg.data.root, missing_ok=not check_files)
+            problem = resolve_dataset(
+                split.dataset, cfg.data.root, missing_ok=not check_files, fresh=True
+            )
             if problem:
                 out.append(f"{where}.dataset: {problem}")
     return out

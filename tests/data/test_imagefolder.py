@@ -147,3 +147,19 @@ def test_unreadable_layouts_are_refused(tmp_path):
     for bad in ("a", "a@", "@32", "a@x", "a@0"):
         with pytest.raises(ValueError):
             imf.parse_spec(bad)
+
+
+def test_one_process_lists_the_folder_once_for_validation_and_once_to_load(root, monkeypatch):
+    """Validation reads the listing afresh; the file check and load_dataset right after reuse
+    it (a listing of ImageNet costs seconds); the loader lists again, as it reads the images."""
+    from dpadapter.data.registry import load_dataset
+
+    calls = []
+    real = imf.read_listing
+    monkeypatch.setattr(imf, "read_listing", lambda base: calls.append(base) or real(base))
+    cfg = validate(_raw(root), check_files=True)
+    assert len(calls) == 1
+    load_dataset(NAME, cfg.data.root)
+    assert len(calls) == 2
+    validate(_raw(root))  # a new validation reads the folder again
+    assert len(calls) == 3

@@ -34,7 +34,6 @@ from dpadapter.federated.mechanisms import GAUSSIAN, LAPLACE
 from dpadapter.federated.partition import dirichlet_partition
 from dpadapter.federated.simulation import Client, Federation
 from dpadapter.federated.stage import mechanism_run, plan_noise
-from dpadapter.models.batchnorm import freeze_batchnorm
 from dpadapter.strategies import get_strategy
 from dpadapter.train.per_sample import wrap_for_dp
 
@@ -97,7 +96,6 @@ def audit_federated_run(cfg: Config, mechanism: str, eps: float) -> dict:
     nn.init.zeros_(model.weight)
     nn.init.zeros_(model.bias)
     w0 = model.weight.detach().clone()
-    freeze_batchnorm(model, cfg.finetune.bn_affine)  # none in this linear model; as dp_fit does
     check = ((d + m,), xs.dtype) if cfg.finetune.per_sample_check else None  # shape only
     gsm = wrap_for_dp(model, cfg.finetune.grad_sample_mode, True, check_sample=check)
     gsm.train()

@@ -93,20 +93,33 @@ def register_family(prefix: str, resolver: Resolver) -> Resolver:
     return resolver
 
 
+# family name -> the data root it was read under (validation, the file check and the loader of
+# one process share one reading)
+_RESOLVED: dict[str, Path] = {}
+
+
 def family_of(name: str) -> str | None:
     prefix, sep, _ = name.partition(":")
     return prefix if sep and prefix in FAMILIES else None
 
 
-def resolve_dataset(name: str, root: str | Path, missing_ok: bool = False) -> str | None:
+def resolve_dataset(
+    name: str, root: str | Path, missing_ok: bool = False, fresh: bool = False
+) -> str | None:
     """For a family name, (re)register it as found under `root`; return why it cannot be, or
     None (also for a plain name, whose entry is static). `missing_ok`: data that is not there
-    (yet) is no problem, the name stays unregistered (a config check without file checks)."""
+    (yet) is no problem, the name stays unregistered (a config check without file checks).
+    Without `fresh`, a reading under the same root earlier in this process is reused (the
+    file check and the loader right after validation; listing ImageNet costs seconds)."""
     family = family_of(name)
     if family is None:
         return None
+    where = Path(root).resolve()
+    if not fresh and _RESOLVED.get(name) == where and name in DATASET_INFO:
+        return None
     DATASETS.pop(name, None)  # a reading under another root must not linger
     DATASET_INFO.pop(name, None)
+    _RESOLVED.pop(name, None)
     try:
         loader, info = FAMILIES[family](name.partition(":")[2], Path(root))
     except DatasetUnavailable as exc:
@@ -115,6 +128,7 @@ def resolve_dataset(name: str, root: str | Path, missing_ok: bool = False) -> st
         return str(exc)
     DATASETS[name] = loader
     DATASET_INFO[name] = info
+    _RESOLVED[name] = where
     return None
 
 
