@@ -295,13 +295,16 @@ def markdown(report: dict) -> str:
     ]
     for r in report["results"]:
         cells = []
+        chk = r.get("check")
         for m in modes:
             row = r["modes"][m]
             cell = f"{row['median_ms']:.1f} ms" if m == "nonprivate" else f"{row['ratio']:.2f}x"
+            if chk is not None and m in chk["rel_error"]:  # this mode's clipped sum vs the loop
+                err = chk["rel_error"][m]
+                cell += f" (sum {'ok' if err <= chk['tolerance'] else 'WRONG'} {err:.0e})"
             if cuda:
                 cell += f" ({row['peak_mem_mib']:.0f} MiB)"
             cells.append(cell)
-        chk = r.get("check")
         ok = "-" if chk is None else ("ok" if chk["ok"] else "FAILED")
         label = f"{r['model']} ({r['input']}, {r['batch']} / {r['physical_batch']})"
         lines.append(f"| {label} | " + " | ".join(cells) + f" | {ok} |")

@@ -1,29 +1,22 @@
-"""Median step time of non-private SGD vs the pipeline's DP-SGD step, in one process.
+"""`make bench`: DP step / non-private step for every per-sample mode, each beside its check.
 
-ResNet20-GroupNorm, batch 256, 1x28x28 inputs, 10 classes. The DP step is the pipeline's own
-(`ALGORITHMS["dpsgd"]` on an Opacus-wrapped model), once per per-sample-gradient mode, so the
-ratio printed is the one `finetune` pays. Target: <= 1.5x non-private.
+The modes are the pipeline's (`bk`, the default `finetune.grad_sample_mode`, and Opacus'
+`hooks`, `functorch`, `ew`) and Opacus' fast gradient clipping (`ghost`, `fgc`), on ResNet20-GN
+(3x32x32, batch 256) and the embedded default's CNN (1x28x28, batch 200). Each ratio is printed
+with that mode's clipped-sum check: its `p.summed_grad` (noise 0, float64) against a per-example
+loop, relative error in brackets; a wrong sum fails the run. `bench/dp_modes.py` does the work
+(it takes the same arguments, e.g. `--steps 20 --threads 2`).
 
-    .venv/bin/python bench/dp_step.py [--steps 15] [--threads N]
+    .venv/bin/python bench/dp_step.py [dp_modes.py arguments]
 """
 
 from __future__ import annotations
 
-import argparse
-import copy
 import statistics
+import sys
 import time
 
-import torch
-from opacus.grad_sample.utils import wrap_model
-
-import dpadapter  # noqa: F401
-from dpadapter.algorithms import ALGORITHMS, DPRunSpec
-from dpadapter.config import ModelConfig
-from dpadapter.models import create_model
-from dpadapter.privacy import PrivacyLedger
-
-BATCH = 256
+MODELS = ["--models", "resnet20-gn", "cnn-gn"]
 
 
 def _median_step(step, warmup: int, steps: int) -> float:
@@ -37,40 +30,12 @@ def _median_step(step, warmup: int, steps: int) -> float:
     return statistics.median(times)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=15)
-    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
-    ap.add_argument("--modes", nargs="+", default=["ew", "hooks", "functorch"])
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(BATCH, 1, 28, 28, generator=g)
-    y = torch.randint(0, 10, (BATCH,), generator=g)
-    base = create_model(ModelConfig("resnet20-gn", 16, 16), 10, 1, seed=0)
-    loss_fn = torch.nn.functional.cross_entropy
+def main(argv: list[str] | None = None) -> int:
+    import dp_modes  # bench/ is on sys.path when run as a script
 
-    model = copy.deepcopy(base)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-
-    def sgd_step():
-        opt.zero_grad(set_to_none=True)
-        loss_fn(model(x), y).backward()
-        opt.step()
-
-    t_sgd = _median_step(sgd_step, 3, args.steps)
-    print(f"threads={args.threads} batch={BATCH} model=resnet20-gn input=1x28x28")
-    print(f"non-private SGD      {1000 * t_sgd:8.1f} ms/step")
-    spec = DPRunSpec(1.0, 1e-5, 0.01, 100, 1, BATCH, 1.0)
-    for mode in args.modes:
-        m = wrap_model(
-            copy.deepcopy(base), grad_sample_mode=mode, batch_first=True, loss_reduction="mean"
-        )
-        algo = ALGORITHMS["dpsgd"](spec, PrivacyLedger(1e-5), torch.Generator().manual_seed(1))
-        algo.make_optimizer(torch.optim.SGD(m.parameters(), lr=0.01))
-        t = _median_step(lambda m=m, algo=algo: algo.train_step(m, x, y, loss_fn), 3, args.steps)
-        print(f"DP-SGD ({mode:9s})   {1000 * t:8.1f} ms/step   ratio {t / t_sgd:5.2f}x")
+    argv = sys.argv[1:] if argv is None else argv
+    return dp_modes.main(argv if "--models" in argv else [*MODELS, *argv])
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

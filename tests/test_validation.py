@@ -259,18 +259,15 @@ def test_cli_validates_with_the_registries(tmp_path, tiny_raw):
     assert r.returncode == 2 and "pretrain.params.sam.gama: unknown parameter" in r.stderr
 
 
-def test_bookkeeping_mode_is_checked_against_the_model_before_any_job(monkeypatch):
-    """bk clips any layer but a BatchNorm in training mode; that is refused now."""
-    from torch import nn
-
-    from dpadapter import validation
+def test_bk_is_the_default_mode_and_every_registered_model_validates_under_it():
+    """No model is refused for bk at validation: dp_fit and the federated stage freeze every
+    BatchNorm before wrapping (tests/models/test_frozen_batchnorm.py trains one under bk), and
+    bk refuses a BatchNorm in training mode by name at wrap time."""
+    from dpadapter.models import MODEL_NAMES
 
     raw = copy.deepcopy(DEFAULT)
-    raw["finetune"]["grad_sample_mode"] = "bk"
-    assert validate(raw).finetune.grad_sample_mode == "bk"  # every registered model is supported
-    monkeypatch.setattr(
-        validation,
-        "create_model",
-        lambda *a, **k: nn.Sequential(nn.Conv2d(1, 2, 3), nn.BatchNorm2d(2), nn.Flatten()),
-    )
-    _rejected(raw, "finetune.grad_sample_mode", "BatchNorm2d")
+    raw["finetune"].pop("grad_sample_mode", None)
+    assert validate(raw).finetune.grad_sample_mode == "bk"
+    for name in sorted(MODEL_NAMES):
+        raw["model"]["name"] = name
+        assert validate(raw).model.name == name

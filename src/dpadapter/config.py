@@ -147,7 +147,9 @@ class FinetuneConfig:
     momentum: float = 0.0
     optimizer: str = "sgd"  # sgd (with momentum) or adam: what the DP optimizer wraps
     max_grad_norm: float = 1.0
-    grad_sample_mode: str = "ew"
+    # bk (book-keeping clipping); an algorithm or stage that reads per-example gradients
+    # itself (GEP, the federated clients) runs Opacus' hooks under bk (train.per_sample)
+    grad_sample_mode: str = "bk"
     # autocast of the DP step (train.per_sample.precision): fp32 (none), bf16, fp16 (loss scale)
     precision: str = "fp32"
     # the per-sample self-test at wrap time (dpadapter.train.per_sample.self_test)

@@ -31,11 +31,10 @@ from dpadapter.config import (
 )
 from dpadapter.config import from_dict as _parse
 from dpadapter.data import DATASET_INFO, family_of, missing_files, resolve_dataset
-from dpadapter.models import MODEL_NAMES, create_model
+from dpadapter.models import MODEL_NAMES
 from dpadapter.param_schema import param_errors
 from dpadapter.privacy import max_reachable_epsilon
 from dpadapter.privacy.calibration import SIGMA_MIN
-from dpadapter.train.per_sample.bookkeeping import unsupported_trainable
 from dpadapter.upstream import UPSTREAMS
 from dpadapter.upstream.external import External, WeightsUnavailable, locate_weights
 from dpadapter.upstream.resolve import EXTERNAL, known_names, resolve
@@ -273,8 +272,6 @@ def _name_problems(cfg: Config) -> list[str]:
             f"model.name: unknown model {cfg.model.name!r}; "
             f"known: {sorted(MODEL_NAMES)} or 'timm:<name>'"
         )
-    elif cfg.finetune.grad_sample_mode == "bk" and cfg.model.name in MODEL_NAMES:
-        problems += _bookkeeping_problems(cfg)
     if not 0 < cfg.privacy.delta < 1:
         problems.append("privacy.delta: must be in (0, 1)")
     for i, name in enumerate(cfg.sweeps.methods):
@@ -291,21 +288,6 @@ def _name_problems(cfg: Config) -> list[str]:
     if cfg.sweeps.algorithm not in ALGORITHMS:
         problems.append(f"sweeps.algorithm: unknown algorithm {cfg.sweeps.algorithm!r}")
     return list(dict.fromkeys(problems))
-
-
-def _bookkeeping_problems(cfg: Config) -> list[str]:
-    """bk clips any layer but a BatchNorm in training mode (it mixes examples): refuse it now.
-
-    (A timm backbone is checked when its job builds it; building it here could download.)
-    """
-    bad = unsupported_trainable(create_model(cfg.model, 2, 1, seed=0), trainable_only=False)
-    if not bad:
-        return []
-    return [
-        f"finetune.grad_sample_mode: 'bk' cannot clip the parameters of {', '.join(bad)} "
-        f"in model {cfg.model.name!r} (a BatchNorm in training mode mixes the examples of a "
-        "batch under any per-sample mode); freeze its statistics or replace it by GroupNorm"
-    ]
 
 
 def _hpo_problems(cfg: Config) -> list[str]:

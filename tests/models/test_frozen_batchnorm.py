@@ -97,7 +97,7 @@ def _fit(model, affine, mode="functorch"):
     return ledger
 
 
-@pytest.mark.parametrize("affine,mode", [("train", "functorch"), ("freeze", "ew")])
+@pytest.mark.parametrize("affine,mode", [("train", "functorch"), ("freeze", "ew"), ("train", "bk")])
 def test_dp_fit_never_updates_running_statistics(affine, mode):
     m = _pretrained()
     before = {k: v.clone() for k, v in m.state_dict().items()}
