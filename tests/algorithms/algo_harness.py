@@ -25,6 +25,8 @@ from dpadapter.models import create_model
 from dpadapter.privacy import PrivacyLedger
 from dpadapter.train.per_sample import bind_optimizer, wrap_for_dp
 
+# The per-sample mode `build` wraps in when none is given (test_privacy_suite sets it per test).
+MODE = "hooks"
 LOSS = nn.functional.cross_entropy
 NUM_CLASSES = 5
 # Calibrations (seconds each) are shared across the session; conftest points this at a file.
@@ -92,7 +94,7 @@ def build(
     seed: int = 0,
     lr: float = 0.1,
     momentum: float = 0.0,
-    mode: str = "hooks",
+    mode: str | None = None,
     model: nn.Module | None = None,
     audit: bool = True,
     dtype: torch.dtype = torch.float32,
@@ -105,7 +107,7 @@ def build(
         assert public is not None, f"{cls.name} needs public data"
         a.set_public_data(public)
     model = (tiny_model() if model is None else model).to(dtype)
-    gsm = wrap_for_dp(model, mode, cls.needs_per_sample_gradients)
+    gsm = wrap_for_dp(model, mode or MODE, cls.needs_per_sample_gradients)
     base_opt = torch.optim.SGD(gsm.parameters(), lr=lr, momentum=momentum)
     opt = bind_optimizer(a.make_optimizer(base_opt), gsm)
     if audit:

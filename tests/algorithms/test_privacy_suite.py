@@ -18,30 +18,43 @@ import torch
 from torch import nn
 
 from dpadapter.algorithms import ALGORITHMS
+from dpadapter.config import FinetuneConfig
 from dpadapter.privacy import pld_epsilon
 from dpadapter.train import dp_fit as fit
 from dpadapter.train.dp_spec import run_spec
 
 NAMES = sorted(ALGORITHMS)
+# The default per-sample mode and an Opacus one (GEP runs hooks under bk: the same run twice).
+MODES = [FinetuneConfig().grad_sample_mode, "hooks"]
+
+
+@pytest.fixture(params=MODES)
+def mode(request, monkeypatch) -> str:
+    monkeypatch.setattr(H, "MODE", request.param)
+    return request.param
+
+
+def test_the_suite_runs_the_default_mode():
+    assert MODES[0] == "bk"
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_each_example_contribution_is_within_the_declared_sensitivity(name, algo_data):
+def test_each_example_contribution_is_within_the_declared_sensitivity(name, algo_data, mode):
     C.check_sensitivity(ALGORITHMS[name], algo_data)
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_noise_has_the_configured_std_and_the_ledger_records_its_joint_sigma(name, algo_data):
+def test_noise_has_the_configured_std_and_the_ledger_records_its_joint_sigma(name, algo_data, mode):
     C.check_noise(ALGORITHMS[name], algo_data)
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_weights_are_restored_before_the_update_with_virtual_batches(name, algo_data):
+def test_weights_are_restored_before_the_update_with_virtual_batches(name, algo_data, mode):
     C.check_restores_weights(ALGORITHMS[name], algo_data)
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_virtual_batches_give_the_same_update(name, algo_data):
+def test_virtual_batches_give_the_same_update(name, algo_data, mode):
     C.check_virtual_batches(ALGORITHMS[name], algo_data)
 
 

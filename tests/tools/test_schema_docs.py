@@ -75,7 +75,7 @@ def test_a_new_schema_key_makes_the_tables_stale(texts):
 def test_a_row_renders_type_default_allowed_and_description(rows):
     by_path = {r.path: r for r in rows}
     r = by_path["finetune.grad_sample_mode"]
-    assert (r.type, r.default, r.allowed) == ("string", "`ew`", "`hooks`, `functorch`, `ew`, `bk`")
+    assert (r.type, r.default, r.allowed) == ("string", "`bk`", "`bk`, `hooks`, `functorch`, `ew`")
     r = by_path["privacy.delta"]
     assert (r.default, r.allowed) == ("`1e-05`", "(0, 1)")
     assert by_path["public.dataset"].default == "required"
