@@ -263,14 +263,18 @@ def test_bookkeeping_mode_is_checked_against_the_model_before_any_job(monkeypatc
     """bk clips any layer but a BatchNorm in training mode; that is refused now."""
     from torch import nn
 
-    from dpadapter import validation
+    from dpadapter import catalog
+    from dpadapter.models import factory
 
     raw = copy.deepcopy(DEFAULT)
     raw["finetune"]["grad_sample_mode"] = "bk"
     assert validate(raw).finetune.grad_sample_mode == "bk"  # every registered model is supported
-    monkeypatch.setattr(
-        validation,
-        "create_model",
-        lambda *a, **k: nn.Sequential(nn.Conv2d(1, 2, 3), nn.BatchNorm2d(2), nn.Flatten()),
+    # the config's model with a BatchNorm, and the catalog as the registries give it then
+    monkeypatch.setitem(
+        factory.MODEL_NAMES,
+        raw["model"]["name"],
+        lambda **kw: nn.Sequential(nn.Conv2d(1, 2, 3), nn.BatchNorm2d(2), nn.Flatten()),
     )
+    built = catalog.build()
+    monkeypatch.setattr(catalog, "_manifest", lambda: built)
     _rejected(raw, "finetune.grad_sample_mode", "BatchNorm2d")
