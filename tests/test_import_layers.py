@@ -9,7 +9,8 @@ a dependency), so the test needs no torch and sees what a reader sees. The layer
 2. per-sample gradients and clipping (`train.per_sample`)
 3. algorithms (one DP method per file)
 4. the DP and non-private training loops (`train`)
-5. upstream methods, federated, HPO, audit (experiments built on the loops)
+5. upstream methods, federated, HPO, audit (experiments built on the loops), and the catalog
+   that reads the registries' names and schemas without torch
 6. entry points: `stages`, `cli`, each package's `cli`, and `validation` (checks configs
    against every registry)
 """
@@ -48,6 +49,7 @@ LAYERS: dict[str, int] = {
     "dpadapter.federated": 5,
     "dpadapter.hpo": 5,
     "dpadapter.audit": 5,
+    "dpadapter.catalog": 5,
     "dpadapter.stages": 6,
     "dpadapter.cli": 6,
     "dpadapter.__main__": 6,

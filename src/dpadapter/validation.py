@@ -7,6 +7,11 @@ against the registries, checks the data a config asks for against the dataset re
 declared sizes (no data is loaded), and refuses privacy parameters that make no sense. The
 workflow (`workflow/rules/common.smk`) and the CLI (`python -m dpadapter`) call `validate` /
 `load`; every message names the full key.
+
+The workflow validates while Snakemake parses, so this module imports no torch, Opacus or
+MLflow: the registries are read through `dpadapter.catalog` (names, params schemas, flags).
+Only a config naming an external backbone imports its method (timm's pretrained_cfg, the
+weights' location), in `_external_problems` and `weight_problems`.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import itertools
 from pathlib import Path
 from typing import Any
 
-from dpadapter.algorithms import ALGORITHMS
+from dpadapter import catalog
 from dpadapter.config import (
     Config,
     ConfigError,
@@ -31,12 +36,9 @@ from dpadapter.config import (
 )
 from dpadapter.config import from_dict as _parse
 from dpadapter.data import DATASET_INFO, family_of, missing_files, resolve_dataset
-from dpadapter.models import MODEL_NAMES
 from dpadapter.param_schema import param_errors
 from dpadapter.privacy import max_reachable_epsilon
 from dpadapter.privacy.calibration import SIGMA_MIN
-from dpadapter.upstream import UPSTREAMS
-from dpadapter.upstream.external import External, WeightsUnavailable, locate_weights
 from dpadapter.upstream.resolve import EXTERNAL, known_names, resolve
 from dpadapter.upstream.variants import format_variant, parse_variant
 
@@ -68,16 +70,19 @@ def _full_schema() -> dict[str, Any]:  # parsing the schema's YAML costs 0.1 s; 
             "type": "object",
             "description": f"per-{what} hyperparameters, keyed by registry name",
             "additionalProperties": False,
-            "properties": {name: cls.params_schema for name, cls in registry.items()},
+            "properties": {name: e.params_schema for name, e in registry.items()},
         }
 
-    plug(props["pretrain"], "params", UPSTREAMS, "method")
-    props["pretrain"]["properties"]["external"]["additionalProperties"] = External.params_schema
-    plug(props["finetune"], "algo_params", ALGORITHMS, "algorithm")
+    upstreams, algorithms = catalog.upstreams(), catalog.algorithms()
+    plug(props["pretrain"], "params", upstreams, "method")
+    props["pretrain"]["properties"]["external"]["additionalProperties"] = upstreams[
+        EXTERNAL
+    ].params_schema
+    plug(props["finetune"], "algo_params", algorithms, "algorithm")
     plug(
         props["finetune"]["properties"]["algo_params_for"]["items"],
         "algo_params",
-        ALGORITHMS,
+        algorithms,
         "algorithm",
     )
     return schema
@@ -152,14 +157,14 @@ def variant_problems(
     method with (`dpadapter.upstream.resolve`).
     """
     try:
-        cls, merged, at = resolve(name, params, external)
+        entry, merged, at = resolve(name, params, external)
     except (KeyError, ValueError) as exc:
         return [f"{where}: {exc.args[0]}"]
     if not parse_variant(name)[1]:
         return []
     return [
         f"{where}: upstream variant {name!r}: {p}"
-        for p in param_errors(cls.params_schema, merged, at)
+        for p in param_errors(entry.params_schema, merged, at)
     ]
 
 
@@ -168,11 +173,13 @@ def weight_problems(cfg: Config) -> list[str]:
     out = []
     for name in dict.fromkeys(cfg.upstreams):
         try:
-            cls, params, at = resolve(name, cfg.upstream_params, cfg.external_upstreams)
+            entry, params, at = resolve(name, cfg.upstream_params, cfg.external_upstreams)
         except (KeyError, ValueError):
             continue  # reported by _name_problems
-        if cls.name != EXTERNAL or "weights" not in params:
+        if entry.name != EXTERNAL or "weights" not in params:
             continue
+        from dpadapter.upstream.external import WeightsUnavailable, locate_weights
+
         try:
             locate_weights(params)
         except WeightsUnavailable as exc:
@@ -220,6 +227,11 @@ def _roles(cfg: Config) -> list[tuple[str, SplitConfig]]:
 NOT_METHOD = "{} is not in pretrain.methods"
 
 
+def _registries() -> tuple[dict, dict, dict]:
+    """The catalog's algorithms, upstream methods and models, by name."""
+    return catalog.algorithms(), catalog.upstreams(), catalog.models()
+
+
 def _missing(where: str, names, known, message: str) -> list[str]:
     """`where: message` (the name quoted into its `{}`) for each name that is not in `known`."""
     return [f"{where}: {message.format(repr(n))}" for n in names if n not in known]
@@ -228,24 +240,25 @@ def _missing(where: str, names, known, message: str) -> list[str]:
 def _name_problems(cfg: Config) -> list[str]:
     """Names resolved against the registries and the config's own lists."""
     problems = []
+    algos, methods, models = _registries()
     for where, split in _roles(cfg):
         if split.dataset not in DATASET_INFO and family_of(split.dataset) is None:
             problems.append(
                 f"{where}.dataset: unknown dataset {split.dataset!r}; known: {sorted(DATASET_INFO)}"
             )
     for name in cfg.finetune.algorithms:
-        if name not in ALGORITHMS:
+        if name not in algos:
             problems.append(
-                f"finetune.algorithms: unknown algorithm {name!r}; known: {sorted(ALGORITHMS)}"
+                f"finetune.algorithms: unknown algorithm {name!r}; known: {sorted(algos)}"
             )
     for name in cfg.upstreams:
-        if name not in UPSTREAMS and name not in cfg.external_upstreams:
+        if name not in methods and name not in cfg.external_upstreams:
             problems.append(
                 f"pretrain.methods: unknown upstream method {name!r}; known: {known_names(cfg)}"
             )
     match = cfg.upstream_params.get("control", {}).get("match")
-    if match is not None and not hasattr(UPSTREAMS.get(match), "sgd_config"):
-        schedules = sorted(n for n, c in UPSTREAMS.items() if hasattr(c, "sgd_config"))
+    if match is not None and not (match in methods and methods[match].sgd_schedule):
+        schedules = sorted(n for n, e in methods.items() if e.sgd_schedule)
         problems.append(
             f"pretrain.params.control.match: {match!r} has no SGD schedule to match; "
             f"one of {schedules}"
@@ -253,9 +266,7 @@ def _name_problems(cfg: Config) -> list[str]:
     problems += _missing("finetune.upstreams", cfg.finetune.upstreams, cfg.upstreams, NOT_METHOD)
     for i, g in enumerate(cfg.finetune.extra_grids):
         where = f"finetune.extra_grids.{i}"
-        problems += _missing(
-            f"{where}.algorithms", g.algorithms, ALGORITHMS, "unknown algorithm {}"
-        )
+        problems += _missing(f"{where}.algorithms", g.algorithms, algos, "unknown algorithm {}")
         problems += _missing(f"{where}.upstreams", g.upstreams, cfg.upstreams, NOT_METHOD)
         problems += _missing(f"{where}.tasks", g.tasks, cfg.tasks, "unknown task {}")
     if cfg.finetune.optimizer == "adam" and cfg.finetune.momentum:
@@ -267,15 +278,15 @@ def _name_problems(cfg: Config) -> list[str]:
         where = f"finetune.algo_params_for.{i}"
         problems += _missing(f"{where}.upstreams", entry.upstreams, cfg.upstreams, NOT_METHOD)
         problems += _missing(f"{where}.tasks", entry.tasks, cfg.tasks, "unknown task {}")
-    if not cfg.model.name.startswith("timm:") and cfg.model.name not in MODEL_NAMES:
+    if not cfg.model.name.startswith("timm:") and cfg.model.name not in models:
         problems.append(
             f"model.name: unknown model {cfg.model.name!r}; "
-            f"known: {sorted(MODEL_NAMES)} or 'timm:<name>'"
+            f"known: {sorted(models)} or 'timm:<name>'"
         )
     if not 0 < cfg.privacy.delta < 1:
         problems.append("privacy.delta: must be in (0, 1)")
     for i, name in enumerate(cfg.sweeps.methods):
-        if name not in UPSTREAMS:
+        if name not in methods:
             problems.append(f"sweeps.methods: unknown upstream method {name!r}")
             continue
         for g in cfg.sweeps.gammas:
@@ -285,18 +296,18 @@ def _name_problems(cfg: Config) -> list[str]:
             if found:
                 break  # the other gammas fail the same way
     problems += _missing("sweeps.tasks", cfg.sweeps.tasks, cfg.tasks, "unknown task {}")
-    if cfg.sweeps.algorithm not in ALGORITHMS:
+    if cfg.sweeps.algorithm not in algos:
         problems.append(f"sweeps.algorithm: unknown algorithm {cfg.sweeps.algorithm!r}")
     return list(dict.fromkeys(problems))
 
 
 def _hpo_problems(cfg: Config) -> list[str]:
     """Cross-field checks of the `hpo` section (names, ranges, and a budget the trials fit in)."""
-    h, out = cfg.hpo, []
+    h, out, algos = cfg.hpo, [], catalog.algorithms()
     out += _missing("hpo.upstreams", h.upstreams, cfg.upstreams, NOT_METHOD)
     out += _missing("hpo.tasks", h.tasks, cfg.tasks, "unknown task {}")
-    known = f"unknown algorithm {{}}; known: {sorted(ALGORITHMS)}"
-    out += _missing("hpo.algorithms", h.algorithms, ALGORITHMS, known)
+    known = f"unknown algorithm {{}}; known: {sorted(algos)}"
+    out += _missing("hpo.algorithms", h.algorithms, algos, known)
     eps = list(h.sweep_epsilons)
     if eps != sorted(set(eps)):
         out.append("hpo.sweep_epsilons: must be strictly increasing")
@@ -338,9 +349,9 @@ def _federated_problems(cfg: Config) -> list[str]:
 
 def _external_problems(cfg: Config) -> list[str]:
     """Labels of `pretrain.external`, and each external upstream's params against the data."""
-    out = []
+    out, models = [], catalog.models()
     for label in cfg.external_upstreams:
-        if label in UPSTREAMS:
+        if label in catalog.upstreams():
             out.append(
                 f"pretrain.external.{label}: the label is a registered method's name; "
                 "pick another (it becomes an upstream name)"
@@ -351,22 +362,24 @@ def _external_problems(cfg: Config) -> list[str]:
     identity = norm is not None and all(m == 0 for m in norm[0]) and all(s == 1 for s in norm[1])
     for name in dict.fromkeys(cfg.upstreams):
         try:
-            cls, params, at = resolve(name, cfg.upstream_params, cfg.external_upstreams)
+            entry, params, at = resolve(name, cfg.upstream_params, cfg.external_upstreams)
         except (KeyError, ValueError):
             continue
-        if cls.name != EXTERNAL:
+        if entry.name != EXTERNAL:
             continue
-        found = param_errors(cls.params_schema, params, at)
+        found = param_errors(entry.params_schema, params, at)
         if found:  # e.g. `external` in pretrain.methods with no pretrain.params.external
             out += found
             continue
         model = params["model"]
-        if not model.startswith("timm:") and model not in MODEL_NAMES:
+        if not model.startswith("timm:") and model not in models:
             out.append(
-                f"{at}.model: unknown model {model!r}; known: {sorted(MODEL_NAMES)} or timm:<name>"
+                f"{at}.model: unknown model {model!r}; known: {sorted(models)} or timm:<name>"
             )
             continue
-        method = cls(params)
+        from dpadapter.upstream.external import External  # timm, for its pretrained_cfg
+
+        method = External(params)
         try:
             method.adapter_spec(1)
         except ValueError as exc:
@@ -393,7 +406,7 @@ def _audit_problems(cfg: Config) -> list[str]:
 
 def _reference_problems(cfg: Config) -> list[str]:
     """The published table must point at runs this config makes, or its columns stay empty."""
-    ref, out = cfg.reference, []
+    ref, out, algos = cfg.reference, [], catalog.algorithms()
     if ref is None:
         return out
     if ref.upstream not in cfg.upstreams:
@@ -402,7 +415,7 @@ def _reference_problems(cfg: Config) -> list[str]:
         out.append(f"reference.task: unknown task {ref.task!r}; known: {sorted(cfg.tasks)}")
     cells = {c.algorithm for c in ref.cells}
     for i, c in enumerate(ref.cells):
-        if c.algorithm not in ALGORITHMS:
+        if c.algorithm not in algos:
             out.append(f"reference.cells.{i}.algorithm: unknown algorithm {c.algorithm!r}")
         if c.upstream is not None and c.upstream not in cfg.upstreams:
             out.append(f"reference.cells.{i}.upstream: {c.upstream!r} is not in pretrain.methods")

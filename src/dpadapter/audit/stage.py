@@ -12,11 +12,8 @@ import math
 import os
 from pathlib import Path
 
-import torch
-
-from dpadapter.algorithms import ALGORITHMS
+from dpadapter import catalog
 from dpadapter.config import Config, ConfigError
-from dpadapter.job import write_json
 
 COLUMNS = (
     "algorithm",
@@ -33,7 +30,7 @@ COLUMNS = (
 
 
 def audit_algorithms(cfg: Config) -> list[str]:
-    return list(cfg.audit.algorithms) or sorted(ALGORITHMS)
+    return list(cfg.audit.algorithms) or sorted(catalog.algorithms())
 
 
 FEDERATED_PREFIX = "federated-"
@@ -47,13 +44,13 @@ def audit_jobs(cfg: Config) -> list[tuple[str, float]]:
 
 def audit_problems(cfg: Config) -> list[str]:
     """Cross-field checks of the `audit` section, against the registry and the tasks."""
-    a, out = cfg.audit, []
+    a, out, known = cfg.audit, [], catalog.algorithms()
     for name in a.algorithms:
-        if name not in ALGORITHMS:
-            out.append(f"audit.algorithms: unknown algorithm {name!r}; known: {sorted(ALGORITHMS)}")
+        if name not in known:
+            out.append(f"audit.algorithms: unknown algorithm {name!r}; known: {sorted(known)}")
     if a.task is not None and a.task not in cfg.tasks:
         out.append(f"audit.task: unknown task {a.task!r}; known: {sorted(cfg.tasks)}")
-    for name in ALGORITHMS:
+    for name in known:
         if name.startswith(FEDERATED_PREFIX):
             out.append(f"algorithm {name!r}: the prefix {FEDERATED_PREFIX!r} is the audit's")
     if any(2 * k > a.canaries for k in a.guesses):
@@ -72,6 +69,11 @@ def run(cfg: Config, algo: str, eps: float, out_dir: Path) -> dict:
     check(cfg)
     if not math.isfinite(eps) or eps <= 0:
         raise ValueError(f"epsilon must be positive and finite, got {eps}")
+    # here, not at the top: the workflow reads this module's grid (audit_jobs) at parse time
+    import torch
+
+    from dpadapter.job import write_json
+
     torch.set_num_threads(int(os.environ.get("DPADAPTER_THREADS", torch.get_num_threads())))
     if algo.startswith(FEDERATED_PREFIX):
         from dpadapter.audit.federated import audit_federated_run

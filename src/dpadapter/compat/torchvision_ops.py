@@ -12,10 +12,10 @@ declarations that torchvision's C++ sources register.
 
 from __future__ import annotations
 
+import importlib.abc
 import importlib.util
+import sys
 from pathlib import Path
-
-import torch
 
 _SCHEMAS = (
     "nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
@@ -80,6 +80,8 @@ def ensure_torchvision_importable() -> bool:
     if _state["done"]:
         return bool(_state["stubbed"])
     _state["done"] = True
+    import torch
+
     path = _extension_path()
     if path is None:
         return False
@@ -98,6 +100,34 @@ def ensure_torchvision_importable() -> bool:
     _state["lib"] = lib
     _state["stubbed"] = True
     return True
+
+
+class _BeforeTorchvision(importlib.abc.MetaPathFinder):
+    """Runs `ensure_torchvision_importable` when torchvision (or timm, which imports it) is
+    first imported, then steps aside: `import dpadapter` stays free of torch (the workflow
+    parses without it) and every later `import timm` still works."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname == "torchvision":
+            remove_hook()
+            ensure_torchvision_importable()
+        return None  # the ordinary finders import it
+
+
+_HOOK = _BeforeTorchvision()
+
+
+def install_hook() -> None:
+    """Declare the op schemas before torchvision's first import (at once if it is loaded)."""
+    if "torchvision" in sys.modules:
+        ensure_torchvision_importable()
+    elif _HOOK not in sys.meta_path and not _state["done"]:
+        sys.meta_path.insert(0, _HOOK)
+
+
+def remove_hook() -> None:
+    if _HOOK in sys.meta_path:
+        sys.meta_path.remove(_HOOK)
 
 
 def import_torchvision():

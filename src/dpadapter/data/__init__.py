@@ -1,3 +1,10 @@
+"""Registered datasets and the carving of the public set and the private tasks out of them.
+
+The registry (`registry`, `sources`, `imagefolder`) declares each dataset's name, class counts
+and file check without importing torch, so the config validation reads them while the workflow
+parses; the task carving (`tasks`), which works on tensors, is imported on first use of its names.
+"""
+
 from dpadapter.data import imagefolder as _imagefolder  # noqa: F401  (registers its family)
 from dpadapter.data import sources as _sources  # noqa: F401  (registers the loaders)
 from dpadapter.data.registry import (
@@ -12,7 +19,8 @@ from dpadapter.data.registry import (
     register_dataset,
     resolve_dataset,
 )
-from dpadapter.data.tasks import RoleData, SplitPlan, build_splits, public_train
+
+_TASKS = ("RoleData", "SplitPlan", "build_splits", "public_train")
 
 __all__ = [
     "DATASET_INFO",
@@ -30,3 +38,11 @@ __all__ = [
     "register_dataset",
     "resolve_dataset",
 ]
+
+
+def __getattr__(name: str):
+    if name not in _TASKS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from dpadapter.data import tasks
+
+    return getattr(tasks, name)

@@ -23,11 +23,13 @@ from __future__ import annotations
 import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-
-import numpy as np
-import torch
+from typing import TYPE_CHECKING
 
 from dpadapter.data.registry import ArraySplit, DatasetInfo, DatasetUnavailable, register_family
+
+# The loader imports numpy and torch; the listing (validation, at parse time) needs neither.
+if TYPE_CHECKING:
+    import numpy as np
 
 PREFIX = "imagefolder"
 SPLITS = ("train", "val")
@@ -82,6 +84,7 @@ def read_listing(base: Path) -> tuple[list[str], dict[str, dict[str, list[str]]]
 
 
 def _read_image(path: Path, side: int) -> np.ndarray:
+    import numpy as np
     from PIL import Image
 
     with Image.open(path) as img:
@@ -93,6 +96,8 @@ def _read_image(path: Path, side: int) -> np.ndarray:
 def _read_split(
     base: Path, split: str, classes: list[str], files: dict[str, list[str]], side: int
 ) -> ArraySplit:
+    import torch
+
     index = {c: i for i, c in enumerate(classes)}
     paths = [base / split / c / f for c in files for f in files[c]]
     labels = torch.tensor([index[c] for c in files for _ in files[c]], dtype=torch.long)

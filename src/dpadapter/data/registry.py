@@ -16,8 +16,12 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+# torch is imported where tensors are loaded: the names, counts and file checks are read while
+# the workflow parses, which imports no torch.
+if TYPE_CHECKING:
+    import torch
 
 
 class DatasetUnavailable(FileNotFoundError):
@@ -151,6 +155,8 @@ def load_dataset(
     name: str, root: str | Path, download: bool = False
 ) -> tuple[ArraySplit, ArraySplit]:
     cache = cache_path(name, root)
+    import torch
+
     if cache.is_file():
         d = torch.load(cache, weights_only=True)
         return ArraySplit(*d["train"]), ArraySplit(*d["test"])

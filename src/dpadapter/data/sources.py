@@ -11,12 +11,16 @@ import gzip
 import os
 import shutil
 from pathlib import Path
-
-import numpy as np
-import torch
+from typing import TYPE_CHECKING
 
 from dpadapter.compat.torchvision_ops import import_torchvision
 from dpadapter.data.registry import ArraySplit, DatasetInfo, DatasetUnavailable, register_dataset
+
+# numpy and torch are imported inside the loaders: registering (names, class counts, file
+# checks) happens while the workflow parses, which imports neither.
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
 
 DEBIAN_FASHION_MNIST = Path("/usr/share/datasets/fashion-mnist")
 # A folder holding the four .gz files where Debian's package is absent (a GPU image without
@@ -38,6 +42,9 @@ _FMNIST_FILES = (
 
 
 def _as_split(images: np.ndarray | torch.Tensor, labels, channels_last: bool) -> ArraySplit:
+    import numpy as np
+    import torch
+
     x = torch.as_tensor(np.asarray(images))
     if x.ndim == 3:
         x = x.unsqueeze(1)
@@ -226,6 +233,8 @@ def synthetic(root: Path, download: bool, n_train: int = 3000, n_test: int = 100
 
     Small and learnable in a few steps, so tests exercise the real training code in seconds.
     """
+    import torch
+
     g = torch.Generator().manual_seed(20261121)
     templates = torch.rand(10, 1, 16, 16, generator=g)
 

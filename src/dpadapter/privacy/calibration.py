@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dpadapter.privacy.accounting import EPS_ERROR, Segment, epsilon_from_history
+from dpadapter.privacy.accounting import EPS_ERROR, Segment, epsilon_from_history, rdp_epsilon
 
 # Calibration range. Below SIGMA_MIN the noise is negligible (epsilon in the hundreds for any
 # usual grid) and PRV's numerics overflow (inf, ~10 s an evaluation): a target epsilon that
@@ -241,13 +241,14 @@ def max_reachable_epsilon(delta: float, sample_rate: float, steps: int) -> float
     """An upper bound (RDP, fast) on the largest epsilon `calibrate_sigma` can calibrate to.
 
     The config validation refuses larger targets before any job: RDP's epsilon at SIGMA_MIN
-    is at least PRV's, so a target above it is out of reach under either accountant.
+    is at least PRV's, so a target above it is out of reach under either accountant. Opacus'
+    RDP accountant's number, computed without importing torch (`rdp_epsilon`).
     """
     import warnings
 
     with warnings.catch_warnings():  # "optimal order is the smallest alpha": an upper bound
         warnings.simplefilter("ignore", UserWarning)
-        return epsilon_from_history([Segment(SIGMA_MIN, sample_rate, steps)], delta, "rdp")
+        return rdp_epsilon([Segment(SIGMA_MIN, sample_rate, steps)], delta)
 
 
 # --- the cache shared by every calibration -----------------------------------------------------
