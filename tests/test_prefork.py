@@ -28,6 +28,7 @@ def _env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != prefork.ENV}
     env["PYTHONPATH"] = os.pathsep.join([str(SRC), env.get("PYTHONPATH", "")])
     env["DPADAPTER_THREADS"] = "1"
+    env.update(dict.fromkeys(prefork.THREAD_ENV, "1"))  # as Snakemake sets them for threads: 1
     env.update(extra)
     return env
 
@@ -147,8 +148,27 @@ def test_a_server_of_another_package_is_refused(server, tmp_path, monkeypatch):
     monkeypatch.setattr(
         prefork, "_identity", lambda: {"executable": sys.executable, "package": "/elsewhere"}
     )
-    assert prefork.delegate(["--config", "x.yaml", "validate"]) is None
-    assert "validate" not in log.read_text()
+    monkeypatch.setattr(os, "environ", {**_env(), prefork.ENV: path})
+    assert prefork.delegate(["--config", "other-package.yaml", "validate"]) is None
+    assert "other-package.yaml" not in log.read_text()
+
+
+def test_a_job_with_other_thread_settings_runs_in_its_own_process(server, tmp_path):
+    """Native thread pools are sized when their library loads: the server's cannot be resized,
+    and a different size can change float results, so such a job is not forked."""
+    path, log = server
+    cfg = _config(tmp_path)
+    env = _env(**{prefork.ENV: path, "OMP_NUM_THREADS": "2"})
+    p = subprocess.run(
+        [sys.executable, "-m", "dpadapter", "--config", str(cfg), "validate"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert p.returncode == 0, p.stderr
+    assert f"--config {cfg} validate" not in log.read_text()
 
 
 def test_no_server_or_switched_off_runs_in_process(tmp_path, monkeypatch):

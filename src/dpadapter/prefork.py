@@ -36,6 +36,7 @@ import signal
 import socket
 import struct
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -59,11 +60,29 @@ PRELOAD = (
 OPTIONAL_PRELOAD = ("mlflow", "mlflow.store.tracking.sqlalchemy_store", "timm")
 
 
-def _identity() -> dict[str, str]:
+# Read once, when a native library loads (its thread pool's size) or the interpreter starts: a
+# child cannot change them, so a job whose values differ from the server's runs in-process.
+# Snakemake sets the thread variables to the rule's `threads` for every job.
+THREAD_ENV = (
+    "OMP_NUM_THREADS",
+    "GOTO_NUM_THREADS",
+    "OPENBLAS_NUM_THREADS",
+    "MKL_NUM_THREADS",
+    "VECLIB_MAXIMUM_THREADS",
+    "NUMEXPR_NUM_THREADS",
+)
+LOAD_TIME_ENV = (*THREAD_ENV, "PYTHONHASHSEED")
+
+
+def _identity() -> dict[str, object]:
     """What must match between a job and the server for the child to be that job's process."""
     import dpadapter
 
-    return {"executable": os.path.realpath(sys.executable), "package": dpadapter.__file__}
+    return {
+        "executable": os.path.realpath(sys.executable),
+        "package": dpadapter.__file__,
+        "load_time_env": {k: os.environ.get(k) for k in LOAD_TIME_ENV},
+    }
 
 
 # --- the job's side ----------------------------------------------------------------------------
@@ -217,6 +236,7 @@ def _child(conn: socket.socket, fds: list[int], message: dict) -> None:
         os.chdir(message["cwd"])
         os.environ.clear()
         os.environ.update(message["env"])
+        tempfile.tempdir = None  # chosen again from the job's TMPDIR
         sys.argv = [sys.argv[0], *message["argv"]]
         conn.sendall(b"+")
         threading.Thread(target=_watch, args=(conn,), daemon=True).start()
@@ -271,12 +291,15 @@ def _watch(conn: socket.socket) -> None:
 # --- the workflow's side ----------------------------------------------------------------------
 
 
-def start(python: str, log: str | Path, idle_seconds: float = 900.0) -> str | None:
+def start(
+    python: str, log: str | Path, threads: int = 1, idle_seconds: float = 900.0
+) -> str | None:
     """Start a server for this Snakemake process (its pid is the server's parent); the socket
     path, which jobs find in the environment. None where disabled by `DPADAPTER_PREFORK=0`.
+    The server's environment is a job's with `threads` threads (Snakemake's variables), so the
+    jobs of rules with that many threads (all training rules: 1) can run in its children.
     The socket lies in a fresh private temporary folder (a Unix socket path must be short)."""
     import subprocess
-    import tempfile
 
     if os.environ.get(ENV, None) == "0":
         return None
@@ -289,7 +312,10 @@ def start(python: str, log: str | Path, idle_seconds: float = 900.0) -> str | No
         stdout=log,
         stderr=subprocess.STDOUT,
         start_new_session=True,
-        env={k: v for k, v in os.environ.items() if k != ENV},
+        env={
+            **{k: v for k, v in os.environ.items() if k != ENV},
+            **dict.fromkeys(THREAD_ENV, str(threads)),
+        },
     )
     log.close()
     return path
