@@ -80,16 +80,23 @@ def _children(pid: int) -> list[int]:
 
 
 def test_a_training_stage_gives_the_same_files_both_ways(server, tmp_path):
+    """Fine-tuning (DP-SGD, Poisson sampling, calibration) from a warm-up checkpoint, once in
+    its own process and once forked: the same checkpoint and metrics, byte for byte."""
     path, log = server
     cfg = _config(tmp_path)
+    warm = tmp_path / "warm"
+    p = _job(["--config", str(cfg), "warmup", "--out", str(warm)], tmp_path, None)
+    assert p.wait(timeout=300) == 0, p.stderr.read()
     outs = {}
     for way, sock in (("own", None), ("forked", path)):
         out = tmp_path / way
-        p = _job(["--config", str(cfg), "warmup", "--out", str(out)], tmp_path, sock)
+        args = ["--upstream", "scratch", "--task", "syn-same", "--algo", "dpsgd", "--eps", "1"]
+        args += ["--seed", "0", "--ckpt", str(warm / "model.pt"), "--out", str(out)]
+        p = _job(["--config", str(cfg), "finetune", *args], tmp_path, sock)
         stdout, stderr = p.communicate(timeout=300)
         assert p.returncode == 0, stderr
         outs[way] = out
-    assert "warmup --out" in log.read_text()  # the server ran the second one
+    assert f"--out {outs['forked']}" in log.read_text()  # the server ran the second one
     own = sorted(p.relative_to(outs["own"]) for p in outs["own"].rglob("*") if p.is_file())
     forked = sorted(p.relative_to(outs["forked"]) for p in outs["forked"].rglob("*") if p.is_file())
     assert own == forked and own
