@@ -53,6 +53,7 @@ LAYERS: dict[str, int] = {
     "dpadapter.stages": 6,
     "dpadapter.cli": 6,
     "dpadapter.__main__": 6,
+    "dpadapter.prefork": 6,
     "dpadapter.validation": 6,
 }
 ENTRY = 6

@@ -9,6 +9,10 @@ process is done explicitly (non-daemon threads joined, atexit handlers run: MLfl
 there, standard streams flushed) and the process ends with `os._exit`. Result files are written
 through closed handles (atomic renames), so nothing buffered is lost. An exception still exits
 the normal way, with its traceback. `DPADAPTER_FULL_EXIT=1` restores the normal exit.
+
+In a local Snakemake run the job is run by a child of the workflow's preforked server, which
+has imported torch, Opacus and MLflow once for all jobs (`dpadapter.prefork`); this process then
+only waits for it. Without a server it runs the job itself.
 """
 
 import atexit
@@ -16,7 +20,13 @@ import os
 import sys
 import threading
 
-from dpadapter.cli import main
+from dpadapter.prefork import delegate
+
+_delegated = delegate(sys.argv[1:])
+if _delegated is not None:
+    os._exit(_delegated)
+
+from dpadapter.cli import main  # noqa: E402  (only where no server runs the job)
 
 
 def _exit_without_teardown(code: int) -> None:

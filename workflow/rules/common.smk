@@ -13,6 +13,7 @@ from snakemake.settings.types import DeploymentMethod
 from dpadapter import config as _config
 from dpadapter import dvc_sync as _dvc_sync
 from dpadapter import identity as _identity
+from dpadapter import prefork as _prefork
 from dpadapter import tracking as _tracking
 from dpadapter import validation as _validation
 from dpadapter.fingerprint import stage_fingerprint
@@ -156,8 +157,20 @@ onstart:
     _config.write_merged(config, RESULTS, workflow.configfiles)
     # `tracking.enabled: true` without a working MLflow stops here, before any job.
     _tracking.check(CFG)
+    # A local run's jobs start from one process that has imported torch, Opacus and MLflow
+    # (dpadapter.prefork; DPADAPTER_PREFORK=0 turns it off); a cluster's jobs start their own.
+    _local = workflow.local_exec and not workflow.remote_exec
+    if _local and DeploymentMethod.CONDA not in workflow.deployment_settings.deployment_method:
+        _socket = _prefork.start(PYTHON, f"{RESULTS}/logs/prefork.log")
+        if _socket:
+            os.environ[_prefork.ENV] = _socket
 
 
 # Record what a successful run built in dvc.lock, so `dvc push` uploads it (dpadapter.dvc_sync).
 onsuccess:
+    _prefork.stop(os.environ.pop(_prefork.ENV, None))
     _dvc_sync.commit(RESULTS, _finished_outputs())
+
+
+onerror:
+    _prefork.stop(os.environ.pop(_prefork.ENV, None))

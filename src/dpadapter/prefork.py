@@ -1,0 +1,335 @@
+"""Jobs of a local run start from one process that has already imported torch, Opacus and MLflow.
+
+A job of the default grid trains for a few seconds, and importing torch, Opacus (scipy.stats,
+`torch.distributed.tensor`) and MLflow (its SQLAlchemy store) costs about as long again, in
+every one of its 70 processes. Python has no way to share imported modules between processes
+but `fork`, so a local `snakemake` run (never a cluster one) starts this server once
+(`workflow/rules/common.smk`, `onstart`): it imports what jobs import, then waits on a Unix
+socket. Each job's `python -m dpadapter ...` connects (`delegate`), hands over its argument
+list, working folder, environment and standard streams, and the server forks a child that runs
+the job exactly as the job's own process would (`dpadapter.cli.main`), with the job's streams,
+folder and environment, and reports its exit status back. The job's process waits and exits
+with that status; a signal it receives is passed on to the child, and if it is killed the
+child kills itself (it watches the connection), so a killed job never runs on.
+
+Like gunicorn's `--preload` or PyTorch's fork-started DataLoader workers, this relies on fork
+being safe after imports: the server never runs a torch operation, opens no CUDA context, no
+MLflow store and no file a job writes, and forks from its only Python thread.
+
+Where it does not apply the job runs in its own process as before: no server (a cluster job, a
+dry run, a stage run by hand), `DPADAPTER_PREFORK=0`, a job inside a Slurm allocation, or a
+server started from another interpreter or another copy of the package (both are checked on
+every connection). What a child computes is what the job's own process computes (tests/
+test_prefork.py runs a stage both ways and compares the outputs byte for byte); Snakemake's
+benchmark files still time the whole job (`s`), but their memory and CPU columns now see only
+the waiting process (the server's log, `RESULTS/logs/prefork.log`, lists each job it ran).
+
+Hand-written: the standard library has the parts (`socket.send_fds`, `os.fork`) but no server.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import struct
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ENV = "DPADAPTER_PREFORK"  # the server's socket path; "0" or empty: run in-process
+_MAX_MESSAGE = 1 << 22
+_STATUS = struct.Struct("!i")
+_FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+# Imported once by the server: what the stages import (the rest is imported by the child).
+PRELOAD = (
+    "dpadapter.cli",
+    "dpadapter.stages.warmup",
+    "dpadapter.stages.pretrain",
+    "dpadapter.stages.finetune",
+    "dpadapter.stages.aggregate",
+    "dpadapter.stages.figures",
+    "dpadapter.train.dp_fit",
+    "dpadapter.tracking",
+    "opacus",
+)
+OPTIONAL_PRELOAD = ("mlflow", "mlflow.store.tracking.sqlalchemy_store", "timm")
+
+
+# Read once, when a native library loads (its thread pool's size) or the interpreter starts: a
+# child cannot change them, so a job whose values differ from the server's runs in-process.
+# Snakemake sets the thread variables to the rule's `threads` for every job.
+THREAD_ENV = (
+    "OMP_NUM_THREADS",
+    "GOTO_NUM_THREADS",
+    "OPENBLAS_NUM_THREADS",
+    "MKL_NUM_THREADS",
+    "VECLIB_MAXIMUM_THREADS",
+    "NUMEXPR_NUM_THREADS",
+)
+LOAD_TIME_ENV = (*THREAD_ENV, "PYTHONHASHSEED")
+
+
+def _identity() -> dict[str, object]:
+    """What must match between a job and the server for the child to be that job's process."""
+    import dpadapter
+
+    return {
+        "executable": os.path.realpath(sys.executable),
+        "package": dpadapter.__file__,
+        "load_time_env": {k: os.environ.get(k) for k in LOAD_TIME_ENV},
+    }
+
+
+# --- the job's side ----------------------------------------------------------------------------
+
+
+def delegate(argv: list[str]) -> int | None:
+    """Run `python -m dpadapter argv` in a child of the server; None: run it here instead."""
+    path = os.environ.get(ENV, "")
+    if path in ("", "0") or os.environ.get("SLURM_JOB_ID"):
+        return None
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        conn.connect(path)
+        message = {"argv": argv, "cwd": os.getcwd(), "env": dict(os.environ), **_identity()}
+        socket.send_fds(conn, [json.dumps(message).encode()], [0, 1, 2])
+        if conn.recv(1) != b"+":  # the server refused (another interpreter or package)
+            conn.close()
+            return None
+    except OSError:  # no server (gone, never started): this process runs the job
+        conn.close()
+        return None
+    previous = {
+        s: signal.signal(s, lambda signum, _f: _send_signal(conn, signum)) for s in _FORWARDED
+    }
+    try:
+        data = b""
+        while len(data) < _STATUS.size:
+            chunk = conn.recv(_STATUS.size - len(data))
+            if not chunk:
+                print("dpadapter: the job's process ended without a status", file=sys.stderr)
+                return 1
+            data += chunk
+        return _STATUS.unpack(data)[0]
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+        conn.close()
+
+
+def _send_signal(conn: socket.socket, signum: int) -> None:
+    try:
+        conn.sendall(bytes([signum]))
+    except OSError:
+        pass
+
+
+# --- the server's side ---------------------------------------------------------------------------
+
+
+def serve(path: str, parent: int, idle_seconds: float) -> None:
+    """Import, then fork a child per connection until `parent` is gone or nothing came for
+    `idle_seconds`; the socket appears only once the imports are done."""
+    import importlib
+
+    for name in PRELOAD:
+        importlib.import_module(name)
+    for name in OPTIONAL_PRELOAD:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass
+    me = _identity()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    tmp = f"{path}.{os.getpid()}.tmp"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(tmp)
+    os.chmod(tmp, 0o600)
+    listener.listen(64)
+    os.replace(tmp, path)
+    listener.settimeout(1.0)
+    children: dict[int, socket.socket] = {}
+    last = time.monotonic()
+    try:
+        while children or (
+            _alive(parent) and os.path.exists(path) and time.monotonic() - last < idle_seconds
+        ):
+            _reap(children)
+            try:
+                conn, _ = listener.accept()
+            except TimeoutError:
+                continue
+            last = time.monotonic()
+            conn.settimeout(None)
+            try:
+                raw, fds, _, _ = socket.recv_fds(conn, _MAX_MESSAGE, 3)
+                message = json.loads(raw)
+            except (OSError, ValueError):
+                conn.close()
+                continue
+            if len(fds) != 3 or any(message.get(k) != v for k, v in me.items()):
+                for fd in fds:
+                    os.close(fd)
+                conn.sendall(b"-")
+                conn.close()
+                continue
+            pid = os.fork()
+            if pid == 0:
+                listener.close()
+                for other in children.values():
+                    other.close()
+                _child(conn, fds, message)  # never returns
+            for fd in fds:
+                os.close(fd)
+            children[pid] = conn
+            print(f"{time.strftime('%H:%M:%S')} pid {pid}: {' '.join(message['argv'])}", flush=True)
+    finally:
+        listener.close()
+        stop(path)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _reap(children: dict[int, socket.socket]) -> None:
+    """Collect ended children; one killed by a signal had no chance to report, so say it here."""
+    while children:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        conn = children.pop(pid, None)
+        if conn is None:
+            continue
+        if os.WIFSIGNALED(status):
+            try:
+                conn.sendall(_STATUS.pack(128 + os.WTERMSIG(status)))
+            except OSError:
+                pass
+        conn.close()
+
+
+def _child(conn: socket.socket, fds: list[int], message: dict) -> None:
+    code = 1
+    try:
+        for fd, target in zip(fds, (0, 1, 2), strict=True):
+            os.dup2(fd, target)
+            os.close(fd)
+        for s in (*_FORWARDED, signal.SIGCHLD):
+            signal.signal(s, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        os.chdir(message["cwd"])
+        os.environ.clear()
+        os.environ.update(message["env"])
+        tempfile.tempdir = None  # chosen again from the job's TMPDIR
+        sys.argv = [sys.argv[0], *message["argv"]]
+        conn.sendall(b"+")
+        threading.Thread(target=_watch, args=(conn,), daemon=True).start()
+        code = _run(message["argv"])
+    finally:
+        try:
+            conn.sendall(_STATUS.pack(code))
+        finally:
+            os._exit(code)
+
+
+def _run(argv: list[str]) -> int:
+    """The job, as `dpadapter.__main__` runs it: its status, or 1 with the traceback."""
+    import atexit
+    import traceback
+
+    from dpadapter.cli import main
+
+    try:
+        rc = main(argv)
+        code = rc if isinstance(rc, int) else (0 if rc is None else 1)
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if exc.code is not None and not isinstance(exc.code, int):
+            print(exc.code, file=sys.stderr)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    for t in threading.enumerate():
+        if t is not threading.main_thread() and not t.daemon:
+            t.join()
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    return code
+
+
+def _watch(conn: socket.socket) -> None:
+    """Signals the job's process passes on are raised here; its end (killed) ends the child."""
+    while True:
+        try:
+            data = conn.recv(64)
+        except OSError:
+            data = b""
+        if not data:
+            os.kill(os.getpid(), signal.SIGKILL)
+            return
+        for signum in data:
+            os.kill(os.getpid(), signum)
+
+
+# --- the workflow's side ----------------------------------------------------------------------
+
+
+def start(
+    python: str, log: str | Path, threads: int = 1, idle_seconds: float = 900.0
+) -> str | None:
+    """Start a server for this Snakemake process (its pid is the server's parent); the socket
+    path, which jobs find in the environment. None where disabled by `DPADAPTER_PREFORK=0`.
+    The server's environment is a job's with `threads` threads (Snakemake's variables), so the
+    jobs of rules with that many threads (all training rules: 1) can run in its children.
+    The socket lies in a fresh private temporary folder (a Unix socket path must be short)."""
+    import subprocess
+
+    if os.environ.get(ENV, None) == "0":
+        return None
+    path = str(Path(tempfile.mkdtemp(prefix="dpadapter-")) / "jobs.sock")
+    Path(log).parent.mkdir(parents=True, exist_ok=True)
+    log = open(log, "ab")  # noqa: SIM115 (the server's own; closed here once handed over)
+    subprocess.Popen(
+        [python, "-m", "dpadapter.prefork", path, str(os.getpid()), str(idle_seconds)],
+        stdin=subprocess.DEVNULL,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        env={
+            **{k: v for k, v in os.environ.items() if k != ENV},
+            **dict.fromkeys(THREAD_ENV, str(threads)),
+        },
+    )
+    log.close()
+    return path
+
+
+def stop(path: str | None) -> None:
+    """Remove the socket: new jobs run in-process, the server leaves when its children have."""
+    if not path:
+        return
+    with contextlib.suppress(OSError):
+        os.unlink(path)
+    with contextlib.suppress(OSError):
+        os.rmdir(os.path.dirname(path))
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1], int(sys.argv[2]), float(sys.argv[3]))

@@ -1,0 +1,188 @@
+"""A job run by the preforked server is the job its own process would have run.
+
+Same outputs byte for byte (a real training stage both ways), same exit status and messages
+on bad input, signals passed on, a killed job's child gone, and a server of another package
+refused (the job then runs in its own process).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from tiny_config import TINY_RAW
+
+from dpadapter import prefork
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != prefork.ENV}
+    env["PYTHONPATH"] = os.pathsep.join([str(SRC), env.get("PYTHONPATH", "")])
+    env["DPADAPTER_THREADS"] = "1"
+    env.update(dict.fromkeys(prefork.THREAD_ENV, "1"))  # as Snakemake sets them for threads: 1
+    env.update(extra)
+    return env
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """One server for the module, its parent this test process; yields (socket path, its log)."""
+    log = tmp_path_factory.mktemp("prefork") / "prefork.log"
+    path = prefork.start(sys.executable, log, idle_seconds=120)
+    deadline = time.monotonic() + 120
+    while not os.path.exists(path):
+        assert time.monotonic() < deadline, log.read_text()
+        time.sleep(0.2)
+    yield path, log
+    prefork.stop(path)
+
+
+def _job(args: list[str], cwd: Path, socket_path: str | None, **popen) -> subprocess.Popen:
+    env = _env(**({prefork.ENV: socket_path} if socket_path else {prefork.ENV: "0"}))
+    return subprocess.Popen(
+        [sys.executable, "-m", "dpadapter", *args],
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **popen,
+    )
+
+
+def _config(tmp_path: Path) -> Path:
+    raw = {**TINY_RAW, "tracking": {"enabled": False}}
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(entry))
+    return out
+
+
+def test_a_training_stage_gives_the_same_files_both_ways(server, tmp_path):
+    """Fine-tuning (DP-SGD, Poisson sampling, calibration) from a warm-up checkpoint, once in
+    its own process and once forked: the same checkpoint and metrics, byte for byte."""
+    path, log = server
+    cfg = _config(tmp_path)
+    warm = tmp_path / "warm"
+    p = _job(["--config", str(cfg), "warmup", "--out", str(warm)], tmp_path, None)
+    assert p.wait(timeout=300) == 0, p.stderr.read()
+    outs = {}
+    for way, sock in (("own", None), ("forked", path)):
+        out = tmp_path / way
+        args = ["--upstream", "scratch", "--task", "syn-same", "--algo", "dpsgd", "--eps", "1"]
+        args += ["--seed", "0", "--ckpt", str(warm / "model.pt"), "--out", str(out)]
+        p = _job(["--config", str(cfg), "finetune", *args], tmp_path, sock)
+        stdout, stderr = p.communicate(timeout=300)
+        assert p.returncode == 0, stderr
+        outs[way] = out
+    assert f"--out {outs['forked']}" in log.read_text()  # the server ran the second one
+    own = sorted(p.relative_to(outs["own"]) for p in outs["own"].rglob("*") if p.is_file())
+    forked = sorted(p.relative_to(outs["forked"]) for p in outs["forked"].rglob("*") if p.is_file())
+    assert own == forked and own
+    for rel in own:
+        a, b = (outs[w] / rel for w in ("own", "forked"))
+        if rel.suffix == ".json":
+            drop = {"wall_time_s", "host"}
+            ja, jb = (
+                {k: v for k, v in json.loads(x.read_text()).items() if k not in drop}
+                for x in (a, b)
+            )
+            assert ja == jb, rel
+        else:
+            assert a.read_bytes() == b.read_bytes(), rel
+
+
+def test_bad_input_fails_the_same_way_both_ways(server, tmp_path):
+    path, _ = server
+    results = []
+    for sock in (None, path):
+        p = _job(["--config", str(tmp_path / "missing.yaml"), "validate"], tmp_path, sock)
+        stdout, stderr = p.communicate(timeout=120)
+        results.append((p.returncode, stdout, stderr))
+    assert results[0] == results[1]
+    assert results[0][0] != 0 and "missing.yaml" in results[0][2]
+
+
+def test_a_signal_reaches_the_job_and_a_killed_job_leaves_no_child(server, tmp_path):
+    path, log = server
+    cfg = _config(tmp_path)
+    server_pid = None
+    for how in (signal.SIGTERM, signal.SIGKILL):
+        out = tmp_path / f"out-{how}"
+        p = _job(["--config", str(cfg), "warmup", "--out", str(out)], tmp_path, path)
+        deadline = time.monotonic() + 60
+        while f"warmup --out {out}" not in log.read_text():
+            assert time.monotonic() < deadline and p.poll() is None
+            time.sleep(0.05)
+        line = [x for x in log.read_text().splitlines() if f"--out {out}" in x][-1]
+        child = int(line.split("pid ")[1].split(":")[0])
+        server_pid = server_pid or int(Path(f"/proc/{child}/stat").read_text().split()[3])
+        p.send_signal(how)
+        p.communicate(timeout=60)
+        if how == signal.SIGTERM:
+            assert p.returncode == 128 + signal.SIGTERM  # the child died of it, as the job would
+        deadline = time.monotonic() + 10
+        while child in _children(server_pid):
+            assert time.monotonic() < deadline, f"child {child} outlived its job ({how!r})"
+            time.sleep(0.05)
+        assert not (out / "metrics.json").exists()
+
+
+def test_a_server_of_another_package_is_refused(server, tmp_path, monkeypatch):
+    path, log = server
+    monkeypatch.setenv(prefork.ENV, path)
+    monkeypatch.setattr(
+        prefork, "_identity", lambda: {"executable": sys.executable, "package": "/elsewhere"}
+    )
+    monkeypatch.setattr(os, "environ", {**_env(), prefork.ENV: path})
+    assert prefork.delegate(["--config", "other-package.yaml", "validate"]) is None
+    assert "other-package.yaml" not in log.read_text()
+
+
+def test_a_job_with_other_thread_settings_runs_in_its_own_process(server, tmp_path):
+    """Native thread pools are sized when their library loads: the server's cannot be resized,
+    and a different size can change float results, so such a job is not forked."""
+    path, log = server
+    cfg = _config(tmp_path)
+    env = _env(**{prefork.ENV: path, "OMP_NUM_THREADS": "2"})
+    p = subprocess.run(
+        [sys.executable, "-m", "dpadapter", "--config", str(cfg), "validate"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert p.returncode == 0, p.stderr
+    assert f"--config {cfg} validate" not in log.read_text()
+
+
+def test_no_server_or_switched_off_runs_in_process(tmp_path, monkeypatch):
+    monkeypatch.setenv(prefork.ENV, str(tmp_path / "no.sock"))
+    assert prefork.delegate(["validate"]) is None
+    monkeypatch.setenv(prefork.ENV, "0")
+    assert prefork.delegate(["validate"]) is None
+    monkeypatch.setenv(prefork.ENV, str(tmp_path / "no.sock"))
+    monkeypatch.setenv("SLURM_JOB_ID", "1")
+    assert prefork.delegate(["validate"]) is None
