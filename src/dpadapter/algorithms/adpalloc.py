@@ -15,8 +15,9 @@ from typing import Any
 from dpadapter.algorithms.base import DPAlgorithm, register_algorithm
 from dpadapter.param_schema import NON_NEGATIVE, params_object
 from dpadapter.privacy import Search, Segment, epsilon_from_history, smallest_sigma
-from dpadapter.privacy.accounting import EPS_ERROR
-from dpadapter.privacy.calibration import cached
+from dpadapter.privacy.accounting import EPS_ERROR, accountant_version
+from dpadapter.privacy.calibration import KEY_VERSION
+from dpadapter.privacy.memo import cached
 
 REL_TOL = 1e-3  # stop when the bracket on sigma_0 is this narrow (relative) ...
 EPS_TOL = 0.005  # ... or the feasible end spends within this of the target (Opacus' default)
@@ -99,7 +100,10 @@ class AdpAlloc(DPAlgorithm):
             k,
             s.accountant,
         )
-        key = json.dumps(["adpalloc-exp", *inputs, EPS_ERROR, REL_TOL])
+        key = json.dumps(
+            ["adpalloc-exp", KEY_VERSION, accountant_version(), *inputs, EPS_ERROR, REL_TOL]
+            + [EPS_TOL]
+        )
         # the constant-sigma calibration of the base class brackets sigma_0 from below
         constant = lambda: super(AdpAlloc, self).calibrate()  # noqa: E731
         return cached(s.calibration_cache, key, lambda: calibrate_decay(*inputs, constant()))

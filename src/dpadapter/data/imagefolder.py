@@ -11,8 +11,9 @@ test split; ImageNet's val folder sorted into class folders), e.g. `imagefolder:
 - Every image is read once, converted to RGB and resized to `side` x `side` (whole image, no
   crop, PIL's box filter: area averaging, as the downsampled-ImageNet variants are made; JPEGs
   are decoded at a reduced scale first). `load_dataset` then keeps the result as one tensor
-  file under `<data.root>/.cache/`, so later jobs never decode an image again; delete that
-  file after changing the folder.
+  file under `<data.root>/.cache/`, so later jobs never decode an image again; it is rebuilt
+  when a split or class folder changes (an image added, removed or renamed); delete it after
+  editing an image in place.
 - The class counts that validation needs come from the folder listing (names only, no image is
   opened), read when the config is validated, so a missing folder or an empty class is an error
   before any job.
@@ -127,7 +128,13 @@ def resolve(spec: str, root: Path):
         cls, sp = read_listing(root_ / path)
         return tuple(_read_split(root_ / path, s, cls, sp[s], side) for s in SPLITS)
 
-    return loader, DatasetInfo(counts["train"], counts["val"], channels=3)  # RGB-converted
+    def sources(root_: Path) -> list[Path]:
+        # the split and class folders: their mtimes change when an image is added, removed or
+        # renamed (stat-ing every image of ImageNet would cost each job seconds)
+        b = root_ / path
+        return [b / s for s in SPLITS] + [b / s / c for s in SPLITS for c in sorted(splits[s])]
+
+    return loader, DatasetInfo(counts["train"], counts["val"], channels=3, sources=sources)
 
 
 register_family(PREFIX, resolve)

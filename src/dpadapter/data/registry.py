@@ -11,7 +11,6 @@ from `data.root` when a config is validated or a dataset loaded (`resolve_datase
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -58,12 +57,16 @@ class DatasetInfo:
     test splits (so class ids, split sizes and delta <= 1/n are checked before any job);
     `missing(root, download)` is a cheap look for the files, returning the loader's own
     "not available offline" message, or None when the loader will find (or fetch) them.
+    `sources(root)` lists what the loader reads (see the field).
     """
 
     train_counts: tuple[int, ...]
     test_counts: tuple[int, ...]
     missing: Callable[[Path, bool], str | None] = lambda root, download: None
     channels: int | None = None  # of its images (None: not known before loading)
+    # the files and folders (under data.root) the loader reads, whose sizes and mtimes key its
+    # tensor cache (`tensor_cache`); None: never cached (made by code, as fast as a cache read)
+    sources: Callable[[Path], list[Path]] | None = None
 
     @property
     def num_classes(self) -> int:
@@ -143,23 +146,19 @@ def cache_path(name: str, root: str | Path) -> Path:
 
 def missing_files(name: str, root: str | Path, download: bool) -> str | None:
     """None if `load_dataset(name, root, download)` will find its data, else why it will not."""
-    if cache_path(name, root).is_file():
-        return None
     problem = resolve_dataset(name, root)
     if problem is not None:
         return problem
+    if name not in DATASET_INFO:
+        return f"unknown dataset {name!r}; known: {sorted(DATASETS)}"
     return DATASET_INFO[name].missing(Path(root), download)
 
 
 def load_dataset(
     name: str, root: str | Path, download: bool = False
 ) -> tuple[ArraySplit, ArraySplit]:
-    cache = cache_path(name, root)
-    import torch
-
-    if cache.is_file():
-        d = torch.load(cache, weights_only=True)
-        return ArraySplit(*d["train"]), ArraySplit(*d["test"])
+    """Both splits of `name`, from its tensor cache under `<root>/.cache/` while that is sound
+    for the current source files (`tensor_cache`), else decoded by its loader and cached."""
     problem = resolve_dataset(name, root)
     if problem is not None:
         raise DatasetUnavailable(problem)
@@ -167,11 +166,18 @@ def load_dataset(
         loader = DATASETS[name]
     except KeyError:
         raise KeyError(f"unknown dataset {name!r}; known: {sorted(DATASETS)}") from None
-    train, test = loader(Path(root), download)
-    # Decoding idx/pickle/mat files costs a second or more in every job; a tensor file is ~10x
-    # faster. Delete data/.cache to rebuild it after changing the source files.
-    cache.parent.mkdir(parents=True, exist_ok=True)
-    tmp = cache.with_suffix(f".{os.getpid()}.tmp")
-    torch.save({"train": (train.images, train.labels), "test": (test.images, test.labels)}, tmp)
-    os.replace(tmp, cache)
-    return train, test
+    root = Path(root)
+    sources = DATASET_INFO[name].sources
+    if sources is None:
+        return loader(root, download)
+
+    from dpadapter.data import tensor_cache  # torch: not while the workflow parses
+
+    def build():
+        train, test = loader(root, download)
+        return (train.images, train.labels), (test.images, test.labels)
+
+    train, test = tensor_cache.load_or_build(
+        cache_path(name, root), name, root, lambda: sources(root), build
+    )
+    return ArraySplit(*train), ArraySplit(*test)

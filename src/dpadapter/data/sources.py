@@ -3,6 +3,9 @@
 Fashion-MNIST is read from Debian's `dataset-fashion-mnist` files when present (the embedded
 default runs offline); CIFAR-10/100, SVHN and STL-10 are downloaded by torchvision where the
 cluster has internet, otherwise the error names the files to place under `data.root`.
+Each registration lists the files its loader reads (`sources`): `load_dataset` decodes them
+once into a tensor cache keyed by their sizes and mtimes (`tensor_cache`), so torchvision is
+imported only by the job that builds it.
 """
 
 from __future__ import annotations
@@ -91,7 +94,7 @@ def prepare_fashion_mnist(root: Path, download: bool, debian_dir: Path | None = 
     if missing and from_debian:
         raw.mkdir(parents=True, exist_ok=True)
         for f in missing:
-            tmp = raw / f"{f}.part"
+            tmp = raw / f"{f}.{os.getpid()}.part"  # jobs of a grid may unpack at once
             with gzip.open(debian_dir / f"{f}.gz", "rb") as src, open(tmp, "wb") as dst:
                 shutil.copyfileobj(src, dst)
             tmp.replace(raw / f)
@@ -99,6 +102,26 @@ def prepare_fashion_mnist(root: Path, download: bool, debian_dir: Path | None = 
     if missing and not download:
         raise _missing("fashion-mnist", raw, missing, _FMNIST_HINT)
     return raw
+
+
+def _fmnist_sources(root: Path) -> list[Path]:
+    return [root / "FashionMNIST" / "raw" / f for f in _FMNIST_FILES]
+
+
+def _torchvision_sources(files: list[str]):
+    """The files torchvision reads: each named file, and the files directly in each folder."""
+
+    def sources(root: Path) -> list[Path]:
+        out = []
+        for f in files:
+            p = root / f
+            if f.endswith("/") and p.is_dir():
+                out += sorted(c for c in p.iterdir() if c.is_file())
+            else:
+                out.append(p)
+        return out
+
+    return sources
 
 
 def _torchvision_missing(name: str, files: list[str]):
@@ -123,7 +146,10 @@ _SVHN_TEST = (1744, 5099, 4149, 2882, 2523, 2384, 1977, 2019, 1660, 1595)
 
 
 @register_dataset(
-    "fashion-mnist", DatasetInfo((6000,) * 10, (1000,) * 10, fashion_mnist_missing, channels=1)
+    "fashion-mnist",
+    DatasetInfo(
+        (6000,) * 10, (1000,) * 10, fashion_mnist_missing, channels=1, sources=_fmnist_sources
+    ),
 )
 def fashion_mnist(root: Path, download: bool) -> tuple[ArraySplit, ArraySplit]:
     prepare_fashion_mnist(root, download)
@@ -157,7 +183,13 @@ def _torchvision_pair(
 
 @register_dataset(
     "cifar10",
-    DatasetInfo((5000,) * 10, (1000,) * 10, _torchvision_missing("cifar10", _CIFAR10_FILES), 3),
+    DatasetInfo(
+        (5000,) * 10,
+        (1000,) * 10,
+        _torchvision_missing("cifar10", _CIFAR10_FILES),
+        3,
+        sources=_torchvision_sources(_CIFAR10_FILES),
+    ),
 )
 def cifar10(root: Path, download: bool):
     return _torchvision_pair(
@@ -175,7 +207,13 @@ def cifar10(root: Path, download: bool):
 
 @register_dataset(
     "cifar100",
-    DatasetInfo((500,) * 100, (100,) * 100, _torchvision_missing("cifar100", _CIFAR100_FILES), 3),
+    DatasetInfo(
+        (500,) * 100,
+        (100,) * 100,
+        _torchvision_missing("cifar100", _CIFAR100_FILES),
+        3,
+        sources=_torchvision_sources(_CIFAR100_FILES),
+    ),
 )
 def cifar100(root: Path, download: bool):
     return _torchvision_pair(
@@ -192,7 +230,14 @@ def cifar100(root: Path, download: bool):
 
 
 @register_dataset(
-    "svhn", DatasetInfo(_SVHN_TRAIN, _SVHN_TEST, _torchvision_missing("svhn", _SVHN_FILES), 3)
+    "svhn",
+    DatasetInfo(
+        _SVHN_TRAIN,
+        _SVHN_TEST,
+        _torchvision_missing("svhn", _SVHN_FILES),
+        3,
+        sources=_torchvision_sources(_SVHN_FILES),
+    ),
 )
 def svhn(root: Path, download: bool):
     return _torchvision_pair(
@@ -210,7 +255,13 @@ def svhn(root: Path, download: bool):
 
 @register_dataset(
     "stl10",
-    DatasetInfo((500,) * 10, (800,) * 10, _torchvision_missing("stl10", _STL10_FILES), 3),
+    DatasetInfo(
+        (500,) * 10,
+        (800,) * 10,
+        _torchvision_missing("stl10", _STL10_FILES),
+        3,
+        sources=_torchvision_sources(_STL10_FILES),
+    ),
 )
 def stl10(root: Path, download: bool):
     return _torchvision_pair(
@@ -226,7 +277,8 @@ def stl10(root: Path, download: bool):
     )
 
 
-# labels are arange(n) % 10 of the default sizes: exactly 300 / 100 per class.
+# labels are arange(n) % 10 of the default sizes: exactly 300 / 100 per class. No `sources`:
+# made by code in milliseconds, so never cached (a cache could outlive a change of this code).
 @register_dataset("synthetic", DatasetInfo((300,) * 10, (100,) * 10, channels=1))
 def synthetic(root: Path, download: bool, n_train: int = 3000, n_test: int = 1000):
     """Ten classes of 1x16x16 images: a fixed random template per class plus pixel noise.

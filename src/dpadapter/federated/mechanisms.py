@@ -39,7 +39,9 @@ from dpadapter.privacy import (
     epsilon_from_history,
     smallest_sigma,
 )
-from dpadapter.privacy.calibration import cached
+from dpadapter.privacy.accounting import EPS_ERROR, accountant_version
+from dpadapter.privacy.calibration import KEY_VERSION
+from dpadapter.privacy.memo import cached
 from dpadapter.train.per_sample.clip import clip_factors
 
 GAUSSIAN, LAPLACE = "gaussian", "laplace"
@@ -193,7 +195,8 @@ def gaussian_sigma(
     if not prior:
         return base
     key = json.dumps(
-        [target_epsilon, delta, sample_rate, steps, accountant, [s.as_tuple() for s in prior]]
+        ["joint", KEY_VERSION, accountant_version(), target_epsilon, delta, sample_rate, steps]
+        + [accountant, EPS_ERROR, [s.as_tuple() for s in prior]]
     )
     joint_cache = None if cache is None else Path(cache).with_name("sigma_joint.json")
     return cached(

@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import json
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+from dpadapter.privacy.memo import cached
 
 EPS_ERROR = 0.01  # PRV discretisation error; Opacus returns the upper end of the bound
 
@@ -37,8 +40,39 @@ def _accountant(name: str):
     return create_accountant(name)
 
 
-def epsilon_from_history(history: list[Segment], delta: float, accountant: str = "prv") -> float:
-    """Upper bound on epsilon for the composed history (Opacus PRV or RDP)."""
+def accountant_version() -> str:
+    """Opacus' version: its accountants' numerics are part of every cached result's key (read
+    from the installed package's metadata: importing Opacus costs over a second)."""
+    from importlib.metadata import version
+
+    return version("opacus")
+
+
+def epsilon_from_history(
+    history: list[Segment], delta: float, accountant: str = "prv", cache: str | Path | None = None
+) -> float:
+    """Upper bound on epsilon for the composed history (Opacus PRV or RDP).
+
+    `cache`: a JSON file of results shared by a grid's jobs (`memo.cached`), keyed by every
+    input: the accountant and its version, delta, PRV's error bound and each segment exactly.
+    """
+    if cache is None:
+        return _epsilon(history, delta, accountant)
+    key = json.dumps(
+        [
+            "epsilon",
+            1,
+            accountant,
+            accountant_version(),
+            delta,
+            EPS_ERROR if accountant == "prv" else None,
+            [s.as_tuple() for s in history],
+        ]
+    )
+    return cached(cache, key, lambda: _epsilon(history, delta, accountant))
+
+
+def _epsilon(history: list[Segment], delta: float, accountant: str) -> float:
     history = [s for s in history if s.steps > 0]
     if not history:
         return 0.0
@@ -118,12 +152,23 @@ def pld_epsilon(history: list[Segment], delta: float, discretization: float = 1e
 
 
 class PrivacyLedger:
-    """Append-only record of releases; consecutive identical releases merge into one segment."""
+    """Append-only record of releases; consecutive identical releases merge into one segment.
 
-    def __init__(self, delta: float, accountant: str = "prv", history: list[Segment] | None = None):
+    `cache`: where `epsilon()` memoises its results (`epsilon_from_history`); the runs of a grid
+    spend alike epoch by epoch, so most jobs find every epoch's epsilon there.
+    """
+
+    def __init__(
+        self,
+        delta: float,
+        accountant: str = "prv",
+        history: list[Segment] | None = None,
+        cache: str | Path | None = None,
+    ):
         self.delta = delta
         self.accountant = accountant
         self.history: list[Segment] = list(history or [])
+        self.cache = cache
 
     def record(self, noise_multiplier: float, sample_rate: float, steps: int = 1) -> None:
         if self.history:
@@ -138,7 +183,7 @@ class PrivacyLedger:
         return sum(s.steps for s in self.history)
 
     def epsilon(self) -> float:
-        return epsilon_from_history(self.history, self.delta, self.accountant)
+        return epsilon_from_history(self.history, self.delta, self.accountant, self.cache)
 
     def state_dict(self) -> dict[str, Any]:
         return {

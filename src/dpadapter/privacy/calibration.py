@@ -14,18 +14,22 @@ The searches keep each caller's historical tolerances, so every sigma is the one
 
 from __future__ import annotations
 
-import fcntl
 import functools
 import json
 import math
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-from dpadapter.privacy.accounting import EPS_ERROR, Segment, epsilon_from_history, rdp_epsilon
+from dpadapter.privacy.accounting import (
+    EPS_ERROR,
+    Segment,
+    accountant_version,
+    epsilon_from_history,
+    rdp_epsilon,
+)
+from dpadapter.privacy.memo import cached
 
 # Calibration range. Below SIGMA_MIN the noise is negligible (epsilon in the hundreds for any
 # usual grid) and PRV's numerics overflow (inf, ~10 s an evaluation): a target epsilon that
@@ -187,6 +191,9 @@ def _narrow_enough(s: Search, lo: float, hi: float, eps_hi: float, target: float
 # tolerance of 0.005 on epsilon), bounded: sigma is the same as Opacus' for every target it
 # could reach.
 OPACUS = Search(start=20.0, cap=SIGMA_MAX, eps_tol=0.005)
+# In every cache key of a calibration: raise it when the search or the accountant's use changes
+# (a cached sigma is then recomputed rather than taken from the old code).
+KEY_VERSION = 2
 
 
 def calibrate_sigma(
@@ -203,7 +210,10 @@ def calibrate_sigma(
     results are cached in a JSON file keyed by every input (the runs still check the spent
     epsilon against the target from their own recorded history).
     """
-    key = json.dumps([target_epsilon, delta, sample_rate, steps, accountant, EPS_ERROR])
+    key = json.dumps(
+        ["sigma", KEY_VERSION, accountant_version(), target_epsilon, delta, sample_rate, steps]
+        + [accountant, EPS_ERROR]
+    )
     return cached(
         cache, key, lambda: _calibrate(target_epsilon, delta, sample_rate, steps, accountant)
     )
@@ -249,37 +259,3 @@ def max_reachable_epsilon(delta: float, sample_rate: float, steps: int) -> float
     with warnings.catch_warnings():  # "optimal order is the smallest alpha": an upper bound
         warnings.simplefilter("ignore", UserWarning)
         return rdp_epsilon([Segment(SIGMA_MIN, sample_rate, steps)], delta)
-
-
-# --- the cache shared by every calibration -----------------------------------------------------
-def cached(cache: str | Path | None, key: str, compute: Callable[[], float]) -> float:
-    """`compute()`, memoised under `key` in the JSON file `cache` (None: no cache).
-
-    Concurrent jobs of a grid update the file under a lock and replace it atomically.
-    """
-    if cache is None:
-        return compute()
-    hit = _read_cache(Path(cache)).get(key)
-    if hit is not None:
-        return float(hit)
-    value = compute()
-    _write_cache(Path(cache), key, value)
-    return value
-
-
-def _read_cache(path: Path) -> dict[str, Any]:
-    try:
-        return json.loads(path.read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
-        return {}
-
-
-def _write_cache(path: Path, key: str, sigma: float) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_suffix(".lock"), "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        data = _read_cache(path)
-        data[key] = sigma
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(data, indent=1))
-        os.replace(tmp, path)

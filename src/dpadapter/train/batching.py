@@ -24,6 +24,9 @@ Federated clients pad their Poisson samples with the same `pad_batch`.
 A dataset too large for the GPU stays in pinned host memory (`dpadapter.device.place`); its
 batches are gathered into pinned buffers (`dpadapter.device.gather`), since indexing pinned
 memory yields pageable memory, whose copy to the GPU would block.
+
+Opacus is imported by the DP batches only: the non-private loops (warm-up, pre-training) use
+`ShuffledBatches` and never import it.
 """
 
 from __future__ import annotations
@@ -33,9 +36,6 @@ from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
-from opacus.data_loader import DPDataLoader
-from opacus.utils.batch_memory_manager import BatchSplittingSampler, wrap_data_loader
-from opacus.utils.uniform_sampler import UniformWithReplacementSampler
 from torch.utils.data import BatchSampler, RandomSampler, TensorDataset
 
 from dpadapter.device import gather
@@ -102,6 +102,9 @@ class PoissonBatches:
             raise ValueError("padding needs a physical batch size")
         if max_physical is not None and optimizer is None:
             raise ValueError("splitting logical batches needs the DP optimizer")
+        from opacus.utils.batch_memory_manager import BatchSplittingSampler
+        from opacus.utils.uniform_sampler import UniformWithReplacementSampler
+
         self.x, self.y = data.tensors
         self.device = device
         self.pad = pad
@@ -172,6 +175,9 @@ def dp_batches(data: TensorDataset, sample_rate: float, generator, device, **spl
     `split` are PoissonBatches' `max_physical`, `pad` and `optimizer`."""
     cpu = device.type == "cpu" and data.tensors[0].device.type == "cpu"
     if not split.get("pad") and cpu:
+        from opacus.data_loader import DPDataLoader
+        from opacus.utils.batch_memory_manager import wrap_data_loader
+
         loader = DPDataLoader(data, sample_rate=sample_rate, generator=generator)
         if split.get("max_physical") is None:
             return loader

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from opacus.validators import ModuleValidator
@@ -128,7 +129,10 @@ def dp_fit(
     devices.configure(dev, settings.tf32)
     model.to(dev)
     train = devices.place(train, dev)
-    ledger = PrivacyLedger(spec.delta, spec.accountant)
+    # every epoch's epsilon is memoised beside the sigma cache: a grid's runs spend alike
+    cal = spec.calibration_cache
+    eps_cache = None if cal is None else Path(cal).with_name("epsilon.json")
+    ledger = PrivacyLedger(spec.delta, spec.accountant, cache=eps_cache)
     # The mechanism's noise is drawn on the parameters' device (Opacus needs the generator there).
     noise_gen = devices.generator(dev, 10_000 + seed)
     algo = ALGORITHMS[algo_name](spec, ledger, noise_gen)

@@ -1,0 +1,130 @@
+"""A dataset decoded once, then read by every later job from one tensor file.
+
+Decoding idx, pickle, mat or image files costs a second or more per job (and imports
+torchvision); a tensor file loads in a fraction of that. The file lives under
+`<data.root>/.cache/` beside the prepared sources (on a cluster: the shared data folder, never a
+results folder), and is trusted only while it provably holds what the sources would decode to:
+
+- it records the format version and the sources' signature (path, size and mtime of every file
+  or folder the loader reads), and is rebuilt when either differs: a source replaced, extended
+  or re-downloaded invalidates it without anyone deleting it;
+- it records a CRC-32 of each of its four tensors' bytes, checked on every load, so a truncated
+  or corrupted file is rebuilt (and said so in the log) instead of training on wrong pixels;
+- it is written to a file of its own process and renamed into place, so jobs of a grid that
+  start together never read a half-written file (each may decode; the last rename wins, and
+  all of them wrote the same bytes).
+
+The sources' contents are not hashed (seconds for large sets, every job): an image edited in
+place without its size or mtime changing is not noticed; delete `.cache/` after such an edit.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import uuid
+import zlib
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+FORMAT = 2  # 1: the unkeyed {"train", "test"} file of earlier versions
+Tensors = tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+def signature(root: Path, paths: list[Path]) -> str:
+    """What the cache is keyed by: each source's path (under root), size and mtime."""
+    rows = []
+    for p in paths:
+        try:
+            st = p.stat()
+            rows.append([_rel(p, root), st.st_size, st.st_mtime_ns])
+        except FileNotFoundError:
+            rows.append([_rel(p, root), None, None])
+    return json.dumps(rows)
+
+
+def _rel(p: Path, root: Path) -> str:
+    try:
+        return str(p.relative_to(root))
+    except ValueError:
+        return str(p)
+
+
+def _crc(t: torch.Tensor) -> int:
+    return zlib.crc32(memoryview(t.contiguous().numpy()).cast("B"))
+
+
+def _check(d: object, name: str, source: str) -> tuple[Tensors | None, str]:
+    """(the tensors, "") when `d` is a sound cache of these sources, else (None, why not)."""
+    if not isinstance(d, dict) or d.get("format") != FORMAT:
+        return None, "an older format"
+    if d.get("dataset") != name or d.get("source") != source:
+        return None, "its source files changed"
+    out = []
+    for split in ("train", "test"):
+        x, y = d[split]
+        if x.dtype != torch.uint8 or x.ndim != 4 or y.dtype != torch.long or y.shape != x.shape[:1]:
+            return None, f"bad {split} tensors"
+        if [_crc(x), _crc(y)] != list(d["crc32"][split]):
+            return None, f"its {split} tensors fail their checksum (corrupted)"
+        out.append((x, y))
+    return (out[0], out[1]), ""
+
+
+def read(path: Path, name: str, source: str) -> Tensors | None:
+    """The cached tensors, or None when there is no sound cache of these sources."""
+    try:
+        d = torch.load(path, weights_only=True)
+    except FileNotFoundError:
+        return None
+    except Exception as exc:  # truncated / not a torch file: rebuilt, never trusted
+        log.warning("dataset cache %s is unreadable (%s); decoding the sources again", path, exc)
+        return None
+    try:
+        tensors, why = _check(d, name, source)
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        tensors, why = None, f"malformed ({exc})"
+    if tensors is None:
+        log.warning("dataset cache %s is stale: %s; decoding the sources again", path, why)
+    return tensors
+
+
+def write(path: Path, name: str, source: str, tensors: Tensors) -> None:
+    """Atomically: a temporary file of this process, renamed over `path`."""
+    (xtr, ytr), (xte, yte) = tensors
+    payload = {
+        "format": FORMAT,
+        "dataset": name,
+        "source": source,
+        "train": (xtr, ytr),
+        "test": (xte, yte),
+        "crc32": {"train": [_crc(xtr), _crc(ytr)], "test": [_crc(xte), _crc(yte)]},
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        torch.save(payload, tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def load_or_build(
+    path: Path,
+    name: str,
+    root: Path,
+    sources: Callable[[], list[Path]],
+    build: Callable[[], Tensors],
+) -> Tensors:
+    """The cache at `path` if it is sound for the current sources, else `build()` cached."""
+    hit = read(path, name, signature(root, sources()))
+    if hit is not None:
+        return hit
+    tensors = build()
+    write(path, name, signature(root, sources()), tensors)  # after build: it may prepare them
+    return tensors

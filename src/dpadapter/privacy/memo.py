@@ -1,0 +1,66 @@
+"""The memo shared by every accountant result the pipeline repeats: sigma from a target and
+epsilon from a history.
+
+A grid's jobs repeat the same few calibrations and the same per-epoch histories (every upstream
+method and seed of one task, epsilon and algorithm spends exactly alike), and one PRV evaluation
+costs a fraction of a second to seconds. Results are memoised under a key that must name every
+input of the computation (a missing one would hand a run another run's noise or epsilon: the
+tests change each input and expect a miss): in this process's memory, and in a JSON file shared
+by the jobs of a results folder (`<results_dir>/.cache/`), which concurrent jobs update under a
+lock and replace atomically. An unreadable file is treated as empty and rewritten. Without a
+file nothing is memoised (tests that stub the accountant stay independent).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+# this process's results, by file and key (the file's content can only grow by other jobs'
+# results under other keys: a key's value never changes)
+_MEMORY: dict[tuple[str, str], float] = {}
+
+
+def cached(cache: str | Path | None, key: str, compute: Callable[[], float]) -> float:
+    """`compute()`, memoised under `key` in the JSON file `cache` and in this process's memory
+    beside it (None: no memo at all; every call computes)."""
+    if cache is None:
+        return compute()
+    where = (str(Path(cache).resolve()), key)
+    if where in _MEMORY:
+        return _MEMORY[where]
+    stored = _read(Path(cache)).get(key)
+    if stored is not None:
+        value = float(stored)
+    else:
+        value = float(compute())
+        _write(Path(cache), key, value)
+    _MEMORY[where] = value
+    return value
+
+
+def clear_memory() -> None:
+    """Forget this process's results (what another job would start with; tests use it)."""
+    _MEMORY.clear()
+
+
+def _read(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError):
+        return {}
+
+
+def _write(path: Path, key: str, value: float) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        data = _read(path)
+        data[key] = value
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data, indent=1))
+        os.replace(tmp, path)
