@@ -35,7 +35,8 @@ def _empty_mlflow_store(tmp_path_factory) -> Path:
     """An MLflow sqlite store as MLflow creates it on first use, made once per worker.
 
     Creating one runs MLflow's schema migrations (about a second of CPU, several of wall time
-    on a busy disk: a commit each); the in-process stage tests each start from a copy instead.
+    on a busy disk: a commit each); the in-process stage tests each start from a copy instead
+    (`empty_mlflow_store`).
     The race on creating a store is tested on its own (tests/cluster/test_mlflow_load.py).
     """
     from mlflow import MlflowClient
@@ -46,12 +47,18 @@ def _empty_mlflow_store(tmp_path_factory) -> Path:
 
 
 @pytest.fixture
-def tiny_cfg(tiny_raw, tmp_path, monkeypatch, _empty_mlflow_store):
+def empty_mlflow_store(tmp_path, _empty_mlflow_store) -> Path:
+    """tmp_path/mlruns.db (the test's store, see `_track_into_tmp`) made, as MLflow would."""
+    shutil.copyfile(_empty_mlflow_store, tmp_path / "mlruns.db")
+    return tmp_path / "mlruns.db"
+
+
+@pytest.fixture
+def tiny_cfg(tiny_raw, tmp_path, monkeypatch, empty_mlflow_store):
     """Validated tiny config whose results, data and MLflow store live under tmp_path."""
     from dpadapter.config import from_dict
 
     monkeypatch.chdir(tmp_path)
-    shutil.copyfile(_empty_mlflow_store, tmp_path / "mlruns.db")
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlruns.db'}")
     return from_dict(tiny_raw)
 
