@@ -89,7 +89,8 @@ validity: setup
 
 # The whole suite, tests/cluster included (a real one-node Slurm, DVC round trip, MLflow under
 # load, SIGKILL resume). Two xdist workers, one test file per worker at a time: the cluster tests
-# mostly wait on daemons and subprocesses, so the suite takes about half its serial time.
+# mostly wait on daemons and subprocesses, so the suite takes about half its serial time. The
+# longest files are handed out first (tests/longest_first.py), so both workers finish together.
 test: setup browser
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -12,8 +13,16 @@ import dpadapter  # noqa: F401  (registers torchvision op schemas before anythin
 
 REPO = Path(__file__).resolve().parents[1]
 
-from repo_guard import mlflow_footprint  # noqa: E402  (tests/ is on sys.path)
+from longest_first import make_scheduler  # noqa: E402  (tests/ is on sys.path)
+from repo_guard import mlflow_footprint  # noqa: E402
 from tiny_config import TINY_RAW  # noqa: E402
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist, absent without it
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") == "loadfile":
+        return make_scheduler(config, log)
+    return None
 
 
 @pytest.fixture
@@ -21,8 +30,31 @@ def tiny_raw() -> dict:
     return copy.deepcopy(TINY_RAW)
 
 
+@pytest.fixture(scope="session")
+def _empty_mlflow_store(tmp_path_factory) -> Path:
+    """An MLflow sqlite store as MLflow creates it on first use, made once per worker.
+
+    Creating one runs MLflow's schema migrations (about a second of CPU, several of wall time
+    on a busy disk: a commit each); the in-process stage tests each start from a copy instead
+    (`empty_mlflow_store`).
+    The race on creating a store is tested on its own (tests/cluster/test_mlflow_load.py).
+    """
+    from mlflow import MlflowClient
+
+    db = tmp_path_factory.mktemp("mlflow-template") / "mlruns.db"
+    MlflowClient(tracking_uri=f"sqlite:///{db}").search_experiments()
+    return db
+
+
 @pytest.fixture
-def tiny_cfg(tiny_raw, tmp_path, monkeypatch):
+def empty_mlflow_store(tmp_path, _empty_mlflow_store) -> Path:
+    """tmp_path/mlruns.db (the test's store, see `_track_into_tmp`) made, as MLflow would."""
+    shutil.copyfile(_empty_mlflow_store, tmp_path / "mlruns.db")
+    return tmp_path / "mlruns.db"
+
+
+@pytest.fixture
+def tiny_cfg(tiny_raw, tmp_path, monkeypatch, empty_mlflow_store):
     """Validated tiny config whose results, data and MLflow store live under tmp_path."""
     from dpadapter.config import from_dict
 

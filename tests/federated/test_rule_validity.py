@@ -19,6 +19,9 @@ from dpadapter.federated.summary import baselines, rule_report
 from dpadapter.privacy import Segment, epsilon_from_history
 from dpadapter.stats import binomial_interval, t_interval
 
+# every job tracks into tmp_path/mlruns.db: made from a template, not migrated each time
+pytestmark = pytest.mark.usefixtures("empty_mlflow_store")
+
 C = RuleConstants(G1_sq=0.4, G2_sq=0.6, Lambda1_sq=0.05, Lambda2_sq=0.08, L=3.0, Gamma=0.2)
 
 

@@ -17,6 +17,9 @@ from dpadapter.privacy import Segment, epsilon_from_history
 from dpadapter.stages import finetune, pretrain
 from dpadapter.train.checkpoint import load_model
 
+# every job tracks into tmp_path/mlruns.db: made from a template, not migrated each time
+pytestmark = pytest.mark.usefixtures("empty_mlflow_store")
+
 STATS = ("running_mean", "running_var", "num_batches_tracked")
 
 

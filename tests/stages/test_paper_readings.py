@@ -17,6 +17,9 @@ from dpadapter.privacy import Segment, epsilon_from_history
 from dpadapter.stages import finetune, pretrain
 from dpadapter.train.dp_spec import run_spec, sample_rate
 
+# every job tracks into tmp_path/mlruns.db: made from a template, not migrated each time
+pytestmark = pytest.mark.usefixtures("empty_mlflow_store")
+
 REPO = Path(__file__).resolve().parents[2]
 
 

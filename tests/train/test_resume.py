@@ -16,6 +16,9 @@ from dpadapter.train.loops import sgd_train, standard_step
 from dpadapter.train.resume import ResumeFile, resume_file_path
 from dpadapter.upstream import UPSTREAMS
 
+# every job tracks into tmp_path/mlruns.db: made from a template, not migrated each time
+pytestmark = pytest.mark.usefixtures("empty_mlflow_store")
+
 N = 96
 CFG = SGDConfig(
     epochs=3,
