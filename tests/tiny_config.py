@@ -47,7 +47,6 @@ TINY_RAW = {
         "lr": 0.5,
         "momentum": 0.0,
         "max_grad_norm": 1.0,
-        "grad_sample_mode": "ew",
     },
     "privacy": {"delta": 1e-5, "accountant": "prv"},
     "robustness": {"noise_std": 0.05, "draws": 2, "seed": 1234},
