@@ -30,6 +30,11 @@ def audit_cfg(tiny_cfg):
 
 
 def _audit_mutant(monkeypatch, cfg, cls, eps):
+    """The mutants break Opacus' clip phase (`clip_and_accumulate` over `grad_sample`), which
+    bk, the default mode, replaces: they run in hooks mode."""
+    cfg = dataclasses.replace(
+        cfg, finetune=dataclasses.replace(cfg.finetune, grad_sample_mode="hooks")
+    )
     name = f"mutant-{cls.__name__.lower()}"
     monkeypatch.setitem(ALGORITHMS, name, type(cls.__name__, (cls,), {"name": name}))
     return audit_run(cfg, name, eps)

@@ -14,7 +14,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from tiny_config import TINY_RAW
 
 ROOT = Path(__file__).resolve().parents[2]
 HEAVY = ("opacus", "mlflow", "timm", "torchvision", "torch._dynamo", "pandas")
@@ -91,4 +90,3 @@ assert Path("f/metrics.json").is_file()
     # Opacus is the DP step's (torch._dynamo torch.optim's); MLflow, timm, torchvision and
     # pandas are not needed
     assert _loaded_after(_CFG.format(body=body), tmp_path) == {"opacus", "torch._dynamo"}
-    assert TINY_RAW["finetune"]["grad_sample_mode"] == "ew"
