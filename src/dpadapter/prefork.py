@@ -5,7 +5,8 @@ A job of the default grid trains for a few seconds, and importing torch, Opacus 
 every one of its 70 processes. Python has no way to share imported modules between processes
 but `fork`, so a local `snakemake` run (never a cluster one) starts this server once
 (`workflow/rules/common.smk`, `onstart`): it imports what jobs import, then waits on a Unix
-socket. Each job's `python -m dpadapter ...` connects (`delegate`), hands over its argument
+socket (a job that starts while it imports waits for it). Each job's `python -m dpadapter ...`
+connects (`delegate`), hands over its argument
 list, working folder, environment and standard streams, and the server forks a child that runs
 the job exactly as the job's own process would (`dpadapter.cli.main`), with the job's streams,
 folder and environment, and reports its exit status back. The job's process waits and exits
@@ -41,7 +42,12 @@ import threading
 import time
 from pathlib import Path
 
-ENV = "DPADAPTER_PREFORK"  # the server's socket path; "0" or empty: run in-process
+ENV = "DPADAPTER_PREFORK"
+# Fewer jobs than this in a run: no server (its imports would not pay off).
+MIN_JOBS = 4
+# Beside the socket while the server imports: its pid. Jobs wait for the socket meanwhile.
+STARTING = ".starting"
+STARTUP_WAIT_S = 120.0  # the server's socket path; "0" or empty: run in-process
 _MAX_MESSAGE = 1 << 22
 _STATUS = struct.Struct("!i")
 _FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
@@ -93,20 +99,31 @@ def delegate(argv: list[str]) -> int | None:
     path = os.environ.get(ENV, "")
     if path in ("", "0") or os.environ.get("SLURM_JOB_ID"):
         return None
+    _wait_while_starting(path)
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    pending: list[int] = []
+
+    def forward(signum: int, _frame) -> None:
+        pending.append(signum)
+        _send_signal(conn, signum)
+
+    # before connecting: a signal from then on reaches the child (queued until it runs), or
+    # this process if the job ends up running here
+    previous = {s: signal.signal(s, forward) for s in _FORWARDED}
     try:
         conn.connect(path)
         message = {"argv": argv, "cwd": os.getcwd(), "env": dict(os.environ), **_identity()}
         socket.send_fds(conn, [json.dumps(message).encode()], [0, 1, 2])
-        if conn.recv(1) != b"+":  # the server refused (another interpreter or package)
-            conn.close()
-            return None
+        accepted = conn.recv(1) == b"+"  # else refused: another interpreter or package
     except OSError:  # no server (gone, never started): this process runs the job
+        accepted = False
+    if not accepted:
         conn.close()
+        for s, h in previous.items():
+            signal.signal(s, h)
+        for signum in pending:
+            os.kill(os.getpid(), signum)
         return None
-    previous = {
-        s: signal.signal(s, lambda signum, _f: _send_signal(conn, signum)) for s in _FORWARDED
-    }
     try:
         data = b""
         while len(data) < _STATUS.size:
@@ -122,6 +139,20 @@ def delegate(argv: list[str]) -> int | None:
         conn.close()
 
 
+def _wait_while_starting(path: str) -> None:
+    """A job that starts while the server imports waits for it: importing in parallel would cost
+    the job as long, and the CPU the server needs (`STARTING`; a dead server is not waited for)."""
+    deadline = time.monotonic() + STARTUP_WAIT_S
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        try:
+            pid = int(Path(path + STARTING).read_text())
+        except (OSError, ValueError):
+            return
+        if not _alive(pid):
+            return
+        time.sleep(0.05)
+
+
 def _send_signal(conn: socket.socket, signum: int) -> None:
     try:
         conn.sendall(bytes([signum]))
@@ -134,7 +165,16 @@ def _send_signal(conn: socket.socket, signum: int) -> None:
 
 def serve(path: str, parent: int, idle_seconds: float) -> None:
     """Import, then fork a child per connection until `parent` is gone or nothing came for
-    `idle_seconds`; the socket appears only once the imports are done."""
+    `idle_seconds`; the socket appears only once the imports are done (the `STARTING` marker
+    goes then, or when the server fails: waiting jobs then run on their own)."""
+    try:
+        _serve(path, parent, idle_seconds)
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(path + STARTING)
+
+
+def _serve(path: str, parent: int, idle_seconds: float) -> None:
     import importlib
 
     for name in PRELOAD:
@@ -153,6 +193,8 @@ def serve(path: str, parent: int, idle_seconds: float) -> None:
     os.chmod(tmp, 0o600)
     listener.listen(64)
     os.replace(tmp, path)
+    with contextlib.suppress(OSError):
+        os.unlink(path + STARTING)
     listener.settimeout(1.0)
     children: dict[int, socket.socket] = {}
     last = time.monotonic()
@@ -306,7 +348,7 @@ def start(
     path = str(Path(tempfile.mkdtemp(prefix="dpadapter-")) / "jobs.sock")
     Path(log).parent.mkdir(parents=True, exist_ok=True)
     log = open(log, "ab")  # noqa: SIM115 (the server's own; closed here once handed over)
-    subprocess.Popen(
+    server = subprocess.Popen(
         [python, "-m", "dpadapter.prefork", path, str(os.getpid()), str(idle_seconds)],
         stdin=subprocess.DEVNULL,
         stdout=log,
@@ -318,6 +360,7 @@ def start(
         },
     )
     log.close()
+    Path(path + STARTING).write_text(str(server.pid))
     return path
 
 
@@ -325,8 +368,9 @@ def stop(path: str | None) -> None:
     """Remove the socket: new jobs run in-process, the server leaves when its children have."""
     if not path:
         return
-    with contextlib.suppress(OSError):
-        os.unlink(path)
+    for leftover in (path, path + STARTING):
+        with contextlib.suppress(OSError):
+            os.unlink(leftover)
     with contextlib.suppress(OSError):
         os.rmdir(os.path.dirname(path))
 

@@ -159,11 +159,25 @@ onstart:
     _tracking.check(CFG)
     # A local run's jobs start from one process that has imported torch, Opacus and MLflow
     # (dpadapter.prefork; DPADAPTER_PREFORK=0 turns it off); a cluster's jobs start their own.
+    # Not for a run of a few jobs: they start while the server imports, so it would import for
+    # nothing.
     _local = workflow.local_exec and not workflow.remote_exec
-    if _local and DeploymentMethod.CONDA not in workflow.deployment_settings.deployment_method:
+    if (
+        _local
+        and DeploymentMethod.CONDA not in workflow.deployment_settings.deployment_method
+        and _jobs_to_run() >= _prefork.MIN_JOBS
+    ):
         _socket = _prefork.start(PYTHON, f"{RESULTS}/logs/prefork.log")
         if _socket:
             os.environ[_prefork.ENV] = _socket
+
+
+def _jobs_to_run() -> int:
+    """How many jobs this run will start (Snakemake's DAG; if its API moves, assume many)."""
+    try:
+        return sum(1 for _ in workflow.dag.needrun_jobs())
+    except Exception:
+        return _prefork.MIN_JOBS
 
 
 # Record what a successful run built in dvc.lock, so `dvc push` uploads it (dpadapter.dvc_sync).
