@@ -15,12 +15,10 @@ has imported torch, Opacus and MLflow once for all jobs (`dpadapter.prefork`); t
 only waits for it. Without a server it runs the job itself.
 """
 
-import atexit
 import os
 import sys
-import threading
 
-from dpadapter.prefork import delegate
+from dpadapter.prefork import delegate, finish_process
 
 _delegated = delegate(sys.argv[1:])
 if _delegated is not None:
@@ -30,12 +28,7 @@ from dpadapter.cli import main  # noqa: E402  (only where no server runs the job
 
 
 def _exit_without_teardown(code: int) -> None:
-    for t in threading.enumerate():
-        if t is not threading.main_thread() and not t.daemon:
-            t.join()
-    atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
+    finish_process()
     os._exit(code)
 
 

@@ -292,7 +292,6 @@ def _child(conn: socket.socket, fds: list[int], message: dict) -> None:
 
 def _run(argv: list[str]) -> int:
     """The job, as `dpadapter.__main__` runs it: its status, or 1 with the traceback."""
-    import atexit
     import traceback
 
     from dpadapter.cli import main
@@ -307,13 +306,22 @@ def _run(argv: list[str]) -> int:
     except BaseException:
         traceback.print_exc()
         code = 1
+    finish_process()
+    return code
+
+
+def finish_process() -> None:
+    """What a normal exit does with an effect outside the process, for one that then ends with
+    `os._exit` (`dpadapter.__main__`, a child here): non-daemon threads joined, `atexit`
+    handlers run (MLflow flushes there), standard streams flushed."""
+    import atexit
+
     for t in threading.enumerate():
         if t is not threading.main_thread() and not t.daemon:
             t.join()
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
-    return code
 
 
 def _watch(conn: socket.socket) -> None:
