@@ -5,7 +5,6 @@ from __future__ import annotations
 import copy
 import os
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
@@ -24,34 +23,6 @@ def pytest_xdist_make_scheduler(config, log):
     if config.getvalue("dist") == "loadfile":
         return make_scheduler(config, log)
     return None
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _prefork_server(tmp_path_factory):
-    """The jobs the tests start (`python -m dpadapter`, directly or from Snakemake runs too
-    small to start a server of their own) are forked from one server per worker that has
-    imported torch, Opacus and MLflow, as a local run's jobs are (`dpadapter.prefork`; a job it
-    would not run the same way runs in its own process). tests/test_prefork.py checks that a
-    forked job is the job its own process would be. `DPADAPTER_PREFORK=0` keeps every job in
-    its own process; the `no_prefork` fixture does so for one test."""
-    from dpadapter import prefork
-
-    if os.environ.get(prefork.ENV) == "0":
-        yield
-        return
-    path = prefork.start(sys.executable, tmp_path_factory.mktemp("prefork") / "prefork.log")
-    os.environ[prefork.ENV] = path
-    yield
-    os.environ.pop(prefork.ENV, None)
-    prefork.stop(path)
-
-
-@pytest.fixture
-def no_prefork(monkeypatch):
-    """Jobs started by this test run in their own processes (what `__main__` does itself)."""
-    from dpadapter import prefork
-
-    monkeypatch.delenv(prefork.ENV, raising=False)
 
 
 @pytest.fixture

@@ -4,11 +4,7 @@ process (atexit handlers such as MLflow's flush, piped stdout) must still happen
 import subprocess
 import sys
 
-import pytest
 import yaml
-
-# what __main__ does in the job's own process (a forked job's exit: tests/test_prefork.py)
-pytestmark = pytest.mark.usefixtures("no_prefork")
 
 SCRIPT = """
 import atexit, runpy, sys
