@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from dpadapter.privacy import rdp_memo
 from dpadapter.privacy.memo import cached
 
 EPS_ERROR = 0.01  # PRV discretisation error; Opacus returns the upper end of the bound
@@ -36,7 +37,9 @@ class Segment:
 
 def _accountant(name: str):
     from opacus.accountants import create_accountant
+    from opacus.accountants.analysis import rdp
 
+    rdp_memo.install(rdp)  # PRV's domain bound and RDP both compute through it
     return create_accountant(name)
 
 
@@ -123,16 +126,19 @@ def _rdp_analysis():
     if "opacus" in sys.modules:  # already paid for: the ordinary module
         from opacus.accountants.analysis import rdp
 
+        rdp_memo.install(rdp)
         return rdp
     spec = importlib.util.find_spec("opacus")  # locates the package, imports nothing
     path = Path(spec.submodule_search_locations[0]) / "accountants" / "analysis" / "rdp.py"
     if not path.is_file():  # another layout: the ordinary import, slow but right
         from opacus.accountants.analysis import rdp
 
+        rdp_memo.install(rdp)
         return rdp
     loader_spec = importlib.util.spec_from_file_location("dpadapter._opacus_rdp_analysis", path)
     module = importlib.util.module_from_spec(loader_spec)
     loader_spec.loader.exec_module(module)
+    rdp_memo.install(module)
     return module
 
 
