@@ -18,8 +18,8 @@ def test_the_longest_files_go_first_and_every_file_is_kept():
     }
     order = [name for name, _ in longest_first(units)]
     assert order == [
-        "tests/workflow/test_snakemake.py",
         "tests/cluster/test_slurm.py",
+        "tests/workflow/test_snakemake.py",
         "tests/test_many.py",  # unlisted: costed by its number of tests
         "tests/test_few.py",
     ]

@@ -50,6 +50,7 @@ MARKER = "# written by dpadapter tests/cluster/test_slurm.py"
 CONF_FILES = [Path("/etc/slurm/slurm.conf"), Path("/etc/slurm/gres.conf")]
 SLURM_BINARIES = ["slurmctld", "slurmd", "sbatch", "squeue", "scontrol", "srun", "scancel"]
 PROFILE = yaml.safe_load((REPO / "slurm" / "config.yaml").read_text())
+STEADY_POLL = Path(__file__).with_name("steady_poll_snakemake.py")  # `snakemake`, steady polls
 
 
 # Slurm clients read SLURM_CONF (and other SLURM_* defaults) before /etc/slurm/slurm.conf.
@@ -217,10 +218,11 @@ def test_profile_runs_the_pipeline_through_sbatch(slurm_cluster, tiny_raw, tmp_p
     root.mkdir()
     (root / "slurm").symlink_to(REPO / "slurm")
     cmd = [
-        str(VENV_BIN / "snakemake"), "--profile", "slurm",
+        str(VENV_BIN / "python"), str(STEADY_POLL), "--profile", "slurm",
         "--snakefile", str(REPO / "Snakefile"), "--directory", str(wd),
         # What this test cluster needs beyond the profile: no slurmdbd, so squeue reports job
-        # states; fast polling for short jobs; logs kept for the checks below; fail fast.
+        # states; fast polling for short jobs (steady: STEADY_POLL turns off the plugin's
+        # growing waits); logs kept for the checks below; fail fast.
         "--slurm-status-command", "squeue", "--slurm-init-seconds-before-status-checks", "1",
         "--seconds-between-status-checks", "1", "--slurm-keep-successful-logs",
         "--jobs", "2", "--retries", "0", "--latency-wait", "10",
