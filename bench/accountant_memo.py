@@ -82,8 +82,8 @@ def main() -> None:
                 raise SystemExit(f"{v} gave {out}, Opacus alone {results['opacus']}")
     base = statistics.median(times["opacus"])
     print(
-        f"one job's accountant work (calibration + {args.epochs} per-epoch epsilons) for "
-        f"epsilon {args.epsilons}, q {args.sample_rate}, "
+        f"accountant work of one job per epsilon (calibration + {args.epochs} per-epoch "
+        f"epsilons), epsilon {args.epsilons}, q {args.sample_rate}, "
         f"{args.steps_per_epoch * args.epochs} steps; median of {args.repeats}:"
     )
     print("| variant | seconds | / opacus |\n|---|---|---|")
