@@ -122,23 +122,27 @@ def rdp_epsilon(history: list[Segment], delta: float) -> float:
 
 @functools.cache
 def _rdp_analysis():
-    """Opacus' `accountants/analysis/rdp.py`, loaded without running Opacus' `__init__`."""
+    """Opacus' `accountants/analysis/rdp.py`, loaded without running Opacus' `__init__`, with
+    the per-order memo in place."""
+    module = _load_rdp_analysis()
+    rdp_memo.install(module)
+    return module
+
+
+def _load_rdp_analysis():
     if "opacus" in sys.modules:  # already paid for: the ordinary module
         from opacus.accountants.analysis import rdp
 
-        rdp_memo.install(rdp)
         return rdp
     spec = importlib.util.find_spec("opacus")  # locates the package, imports nothing
     path = Path(spec.submodule_search_locations[0]) / "accountants" / "analysis" / "rdp.py"
     if not path.is_file():  # another layout: the ordinary import, slow but right
         from opacus.accountants.analysis import rdp
 
-        rdp_memo.install(rdp)
         return rdp
     loader_spec = importlib.util.spec_from_file_location("dpadapter._opacus_rdp_analysis", path)
     module = importlib.util.module_from_spec(loader_spec)
     loader_spec.loader.exec_module(module)
-    rdp_memo.install(module)
     return module
 
 
