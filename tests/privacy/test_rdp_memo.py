@@ -22,16 +22,11 @@ HISTORIES = [
 
 def _opacus_alone(history, delta, accountant):
     """Opacus computing every RDP value: its own `_compute_rdp`, not the memo."""
-    memo = analysis._compute_rdp
-    original = getattr(memo, "__wrapped__", memo)
-    analysis._compute_rdp = original
-    try:
+    with rdp_memo.bypassed(analysis):
         acc = create_accountant(accountant)
         acc.history = [s.as_tuple() for s in history]
         kw = {"eps_error": EPS_ERROR} if accountant == "prv" else {}
         return float(acc.get_epsilon(delta=delta, **kw))
-    finally:
-        analysis._compute_rdp = memo
 
 
 @pytest.mark.parametrize("accountant", ["prv", "rdp"])
@@ -79,3 +74,15 @@ def test_an_opacus_without_the_function_is_left_alone():
     other = types.ModuleType("other_rdp")
     assert rdp_memo.install(other) is False
     assert not hasattr(other, "_compute_rdp") and rdp_memo.info(other) is None
+
+
+def test_bypassed_computes_every_value_and_puts_the_memo_back():
+    history = [Segment(0.71, 0.05, 30)]
+    _epsilon(history, 1e-5, "prv")
+    memo = analysis._compute_rdp
+    before = rdp_memo.info(analysis)
+    with rdp_memo.bypassed(analysis):
+        assert rdp_memo.info(analysis) is None and not rdp_memo.install(analysis)
+        _epsilon(history, 1e-5, "prv")  # through `_accountant`, which installs: refused inside
+        assert rdp_memo.info(analysis) is None
+    assert analysis._compute_rdp is memo and rdp_memo.info(analysis) == before

@@ -12,12 +12,15 @@ the numbers and their types: the same floats come back, bit for bit, from one co
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 from types import ModuleType
 
 # (q, sigma, alpha) triples: ~150 per sigma, a calibration visits ~30 sigmas
 MAXSIZE = 1 << 16
 _MARK = "_dpadapter_rdp_memo"
+_bypassed = False
 
 
 def install(analysis: ModuleType) -> bool:
@@ -25,7 +28,7 @@ def install(analysis: ModuleType) -> bool:
     `compute_rdp` looks up at each call) once; False, changing nothing, where the module has
     no such function (another Opacus: every value is then computed, slower but the same)."""
     original = getattr(analysis, "_compute_rdp", None)
-    if not callable(original):
+    if _bypassed or not callable(original):
         return False
     if getattr(original, _MARK, False):
         return True
@@ -39,3 +42,19 @@ def info(analysis: ModuleType):
     """The memo's hit and miss counts (None where it is not installed)."""
     fn = getattr(analysis, "_compute_rdp", None)
     return fn.cache_info() if getattr(fn, _MARK, False) else None
+
+
+@contextlib.contextmanager
+def bypassed(analysis: ModuleType) -> Iterator[None]:
+    """Opacus' own `_compute_rdp` for every value inside, and no memo installed meanwhile: what
+    the code computed before the memo, for the comparisons that keep it honest (the tests and
+    `bench/accountant_memo.py`). The memo, and what it holds, is back afterwards."""
+    global _bypassed
+    memo = getattr(analysis, "_compute_rdp", None)
+    analysis._compute_rdp = getattr(memo, "__wrapped__", memo)
+    _bypassed = True
+    try:
+        yield
+    finally:
+        analysis._compute_rdp = memo
+        _bypassed = False
