@@ -64,7 +64,7 @@ def test_every_mode_passes_on_the_embedded_cnn_and_leaves_no_trace(mode):
     rng = torch.get_rng_state()
     ref = wrap_for_dp(plain, mode)
     before = _state(plain)
-    got = wrap_for_dp(checked, mode, check_sample=SAMPLE)
+    got = wrap_for_dp(checked, mode, sample=SAMPLE)
     assert torch.equal(torch.get_rng_state(), rng)  # no global draw
     assert ref.per_sample_check is None
     rec = got.per_sample_check
@@ -101,16 +101,16 @@ def test_a_wrong_opacus_grad_sampler_is_refused_naming_the_module(monkeypatch):
 
     right = lambda layer, a, b: {layer.w: a[0] * b}  # noqa: E731
     monkeypatch.setitem(GradSampleModule.GRAD_SAMPLERS, Scale, right)
-    assert wrap_for_dp(model(), "hooks", check_sample=((6,), torch.float32)).per_sample_check[
+    assert wrap_for_dp(model(), "hooks", sample=((6,), torch.float32)).per_sample_check[
         "passed"
     ]
     monkeypatch.setitem(GradSampleModule.GRAD_SAMPLERS, Scale, _wrong_scale_sampler)
     m = model()
     with pytest.raises(PerSampleCheckError, match=r"'hooks' .* at module '2' \(Scale\)"):
-        wrap_for_dp(m, "hooks", check_sample=((6,), torch.float32))
+        wrap_for_dp(m, "hooks", sample=((6,), torch.float32))
     assert all(not hasattr(p, "grad_sample") or p.grad_sample is None for p in m.parameters())
     # functorch mode does not use the registered sampler: right
-    assert wrap_for_dp(model(), "functorch", check_sample=((6,), torch.float32)).per_sample_check[
+    assert wrap_for_dp(model(), "functorch", sample=((6,), torch.float32)).per_sample_check[
         "passed"
     ]
 
@@ -126,7 +126,7 @@ def test_a_wrong_bookkeeping_norm_is_refused_naming_the_module(monkeypatch):
     model = _cnn()
     gn = [n for n, m in model.named_modules() if isinstance(m, nn.GroupNorm)]
     with pytest.raises(PerSampleCheckError, match=r"'bk' .* at module '(.*)' \(GroupNorm\)") as e:
-        wrap_for_dp(model, "bk", check_sample=SAMPLE)
+        wrap_for_dp(model, "bk", sample=SAMPLE)
     assert any(f"'{n}'" in str(e.value) for n in gn)
 
 

@@ -152,6 +152,8 @@ class DPAlgorithm:
         # Set by the loop (`finetune.precision`); fp32 is the plain forward and backward.
         self.precision = Precision()
         self.per_sample_check: dict | None = None  # the wrap-time self-test's record
+        # modules whose statistics DP training froze (train.per_sample.independence)
+        self.frozen_statistics: list[str] = []
 
     @classmethod
     def default_params(cls) -> dict[str, Any]:

@@ -96,8 +96,13 @@ def audit_federated_run(cfg: Config, mechanism: str, eps: float) -> dict:
     nn.init.zeros_(model.weight)
     nn.init.zeros_(model.bias)
     w0 = model.weight.detach().clone()
-    check = ((d + m,), xs.dtype) if cfg.finetune.per_sample_check else None  # shape only
-    gsm = wrap_for_dp(model, cfg.finetune.grad_sample_mode, True, check_sample=check)
+    gsm = wrap_for_dp(  # the sample's shape only
+        model,
+        cfg.finetune.grad_sample_mode,
+        True,
+        ((d + m,), xs.dtype),
+        check=cfg.finetune.per_sample_check,
+    )
     gsm.train()
     Federation(gsm, clients, get_strategy("ft").schedule(fed.rounds), fed.local_steps).run()
     if hasattr(gsm, "_close"):

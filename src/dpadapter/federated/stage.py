@@ -194,8 +194,15 @@ def run(
         for i, idx in enumerate(parts)
     ]
     # The clients' statistics (Laplace constants) read per-example gradients: bk runs hooks.
-    check = (x.shape[1:], x.dtype) if cfg.finetune.per_sample_check else None  # shape only
-    gsm = wrap_for_dp(model, cfg.finetune.grad_sample_mode, True, check_sample=check)
+    # The checks see the data's sample shape only, the self-test a client's largest batch.
+    gsm = wrap_for_dp(
+        model,
+        cfg.finetune.grad_sample_mode,
+        True,
+        (x.shape[1:], x.dtype),
+        check=cfg.finetune.per_sample_check,
+        check_batch=max(1, max(round(mech.sample_rate * c.size) for c in clients)),
+    )
     gsm.train()
 
     wildcards = {
@@ -308,6 +315,7 @@ def run(
                 "val_accuracy": curve[-1]["val_accuracy"] if curve else None,
                 "hyperparameters": hyper,
                 "per_sample_check": gsm.per_sample_check,
+                "frozen_statistics": list(gsm.independence.frozen),
                 "federation": {
                     "algorithm": hyper["algorithm"],
                     "clients": fed.clients,

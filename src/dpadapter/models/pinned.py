@@ -45,6 +45,12 @@ def pin_eval(module: nn.Module) -> nn.Module:
     return module
 
 
+def unpin(module: nn.Module) -> nn.Module:
+    """Undo `pin_eval`: the module's own flag is again what it was before (kept meanwhile)."""
+    module.__class__ = unpinned_type(module)
+    return module
+
+
 def is_pinned(module: nn.Module) -> bool:
     return isinstance(module, _Pinned)
 

@@ -129,6 +129,8 @@ def run(
                 "clipping_plan": algo.clipping_plan or None,
                 # the per-sample mode's norms against torch.func's before training (None: off)
                 "per_sample_check": algo.per_sample_check,
+                # modules run with frozen (public) statistics (train.per_sample.independence)
+                "frozen_statistics": algo.frozen_statistics,
                 "privacy": {
                     **privacy_record(spec, ledger, eps, epsilon),
                     "validation_use": "reported only; selects nothing, so it is not charged",

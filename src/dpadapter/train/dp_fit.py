@@ -142,17 +142,25 @@ def dp_fit(
             raise ValueError(f"{algo_name} needs public data: pass `public`")
         algo.set_public_data(public() if callable(public) else public)
     needs_samples = algo.needs_per_sample_gradients
-    # the self-test draws synthetic inputs of the data's sample shape: no private values read
-    sample = train.tensors[0]
-    check = (sample.shape[1:], sample.dtype) if settings.per_sample_check else None
-    gsm = wrap_for_dp(model, settings.grad_sample_mode, needs_samples, check_sample=check)
+    pad = padding(settings.pad_batches, settings.physical_batch_size, dev, spec)
+    # The independence check and the self-test draw synthetic inputs of the data's sample
+    # shape (no private value is read), the self-test as many as a physical batch will hold.
+    x = train.tensors[0]
+    gsm = wrap_for_dp(
+        model,
+        settings.grad_sample_mode,
+        needs_samples,
+        (x.shape[1:], x.dtype),
+        check=settings.per_sample_check,
+        check_batch=pad or settings.physical_batch_size or spec.expected_batch_size,
+    )
     algo.grad_sample_mode = effective_mode(settings.grad_sample_mode, needs_samples)
     algo.per_sample_check = gsm.per_sample_check
+    algo.frozen_statistics = list(gsm.independence.frozen)
     base_opt = base_optimizer(settings, gsm.parameters())
     algo.precision = make_precision(settings.precision, dev)
     optimizer = bind_optimizer(algo.make_optimizer(base_opt), gsm, algo.precision)
     sample_gen = torch.Generator().manual_seed(20_000 + seed)
-    pad = padding(settings.pad_batches, settings.physical_batch_size, dev, spec)
     loader = dp_batches(
         train,
         spec.sample_rate,

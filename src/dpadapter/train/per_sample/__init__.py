@@ -7,8 +7,13 @@ GEP) gets Opacus' hooks under `bk`; metrics.json records the mode that actually 
 factor comes from `clip.clip_factors`. `precision` is `finetune.precision`: autocast of the
 training forward/backward, per-example gradients cast up (and fp16's loss scale divided out)
 before the clip, so that norms, clipped sums and noise stay fp32.
-factor comes from `clip.clip_factors`. Wrapping with a `check_sample` runs the per-sample
-self-test (`self_test`): the mode's per-example norms against torch.func's before any step.
+
+Wrapping first makes sure that no module mixes the examples of a batch or learns from them in
+training mode (`independence`: running statistics frozen, anything else refused by name),
+whatever path trains: fine-tuning, HPO, federated clients and the audit all wrap here. With the
+data's `sample` shape this runs at wrap time, without it at the wrapped module's first forward.
+The per-sample self-test (`self_test`) then compares the mode's per-example norms and clipped
+sums with torch.func's before any step.
 """
 
 from __future__ import annotations
@@ -21,6 +26,11 @@ from torch import nn
 
 from dpadapter.train.per_sample.bookkeeping import BookKeepingModule, attach_bookkeeping
 from dpadapter.train.per_sample.clip import clip_factors
+from dpadapter.train.per_sample.independence import (
+    Independence,
+    MixedExamplesError,
+    make_independent,
+)
 from dpadapter.train.per_sample.opacus_modes import OPACUS_MODES, bind_fp32_clip, wrap_opacus
 from dpadapter.train.per_sample.precision import PRECISIONS, Precision, make_precision
 from dpadapter.train.per_sample.self_test import PerSampleCheckError, run_check
@@ -30,6 +40,8 @@ GRAD_SAMPLE_MODES = (*OPACUS_MODES, "bk")
 __all__ = [
     "GRAD_SAMPLE_MODES",
     "PRECISIONS",
+    "Independence",
+    "MixedExamplesError",
     "Precision",
     "PerSampleCheckError",
     "bind_optimizer",
@@ -50,13 +62,21 @@ def wrap_for_dp(
     model: nn.Module,
     mode: str,
     needs_per_sample_gradients: bool = False,
-    check_sample: tuple[Sequence[int], torch.dtype] | None = None,
+    sample: tuple[Sequence[int], torch.dtype] | None = None,
+    *,
+    check: bool = True,
+    check_batch: int | None = None,
 ) -> nn.Module:
     """The module to train (loss reduction 'mean', batch first, as everywhere here).
 
-    `check_sample` (the training data's sample shape and dtype, never its values) runs the
-    per-sample self-test; its record is left on the result as `per_sample_check` (None without
-    one), and a mismatch raises PerSampleCheckError.
+    `sample` is the training data's sample shape and dtype (never its values). With it, the
+    independence check (`independence.make_independent`) runs now and, if `check`, the
+    per-sample self-test, on `check_batch` synthetic examples (the physical batch size
+    training will use; default `self_test.EXAMPLES`). Without it, the independence check runs
+    at the wrapped module's first forward, on that batch's shape, and no self-test runs.
+    The results are left on the wrapped module: `independence` (an `Independence`; None until
+    it has run) and `per_sample_check` (the self-test's record, or None). A module that mixes
+    examples raises MixedExamplesError; a self-test mismatch PerSampleCheckError.
     """
     mode = effective_mode(mode, needs_per_sample_gradients)
 
@@ -65,13 +85,44 @@ def wrap_for_dp(
             return BookKeepingModule(model, loss_reduction="mean")
         return wrap_opacus(model, mode)
 
-    if check_sample is None:
-        wrapped, record = wrap(), None
+    if sample is None:
+        wrapped, record, found = wrap(), None, None
     else:
-        shape, dtype = check_sample
-        wrapped, record = run_check(model, wrap, mode, tuple(shape), dtype)
+        shape, dtype = tuple(sample[0]), sample[1]
+        found = make_independent(model, shape, dtype)
+        _report(found)
+        if check:
+            wrapped, record = run_check(model, wrap, mode, shape, dtype, examples=check_batch)
+        else:
+            wrapped, record = wrap(), None
     wrapped.per_sample_check = record
+    wrapped.independence = found
+    if found is None:
+        _check_at_first_forward(model, wrapped)
     return wrapped
+
+
+def _report(found: Independence) -> None:
+    if found.frozen:
+        print(
+            "DP training: frozen statistics (eval mode: the pre-trained running statistics, "
+            "never updated from private data): " + ", ".join(found.frozen),
+            flush=True,
+        )
+
+
+def _check_at_first_forward(model: nn.Module, wrapped: nn.Module) -> None:
+    """The independence check on the first batch's shape, before its forward runs."""
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        x = next((v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)), None)
+        if x is None or x.dim() == 0:
+            return
+        handle.remove()
+        wrapped.independence = make_independent(model, tuple(x.shape[1:]), x.dtype)
+        _report(wrapped.independence)
+
+    handle = wrapped.register_forward_pre_hook(hook, with_kwargs=True)
 
 
 def bind_optimizer(

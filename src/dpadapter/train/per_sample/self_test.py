@@ -53,13 +53,14 @@ def run_check(
     mode: str,
     sample_shape: Sequence[int],
     dtype: torch.dtype = torch.float32,
-    examples: int = EXAMPLES,
+    examples: int | None = None,
     tolerance: float = TOLERANCE,
 ) -> tuple[nn.Module, dict[str, Any]]:
     """Wrap `model` by `wrap()` and check the wrapped module's per-example norms.
 
     Returns (wrapped, record for metrics.json); raises PerSampleCheckError on a mismatch.
     """
+    examples = examples or EXAMPLES
     groups = _trained_groups(model)
     if not groups:
         return wrap(), _record(mode, 0, 0.0, tolerance, "")

@@ -1,0 +1,173 @@
+"""No module mixes the examples of a batch or learns from them under DP training (issue 35,
+item 1), whatever its type and whether or not its parameters are trained.
+
+Each family is tried in the setting the issue measured: inside a small conv net, with its own
+parameters frozen (head tuning, BiTFiT, a norm without affine) or trained, wrapped for DP the
+way every training path wraps (`wrap_for_dp`). What each must get: its statistics frozen
+(pinned to eval, reported), refused by name, or passed untouched. And what matters: after
+wrapping, no example's per-example gradient moves when another example changes, and no buffer
+changes in a training step.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from timm.layers import BatchNormAct2d, EvoNorm2dB0, EvoNorm2dB1, EvoNorm2dS0
+from torch import nn
+
+from dpadapter.models.batchnorm import freeze_batchnorm
+from dpadapter.train.per_sample import MixedExamplesError, wrap_for_dp
+
+SAMPLE = ((1, 6, 6), torch.float32)
+
+
+class BatchMean(nn.Module):
+    """Parameter-free, buffer-free, and mixes: subtracts the batch mean."""
+
+    def forward(self, x):
+        return x - x.mean(0, keepdim=True)
+
+
+class InputTracker(nn.Module):
+    """Per-example output, but learns from the data: keeps the inputs' mean in a buffer."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("seen", torch.zeros(()))
+
+    def forward(self, x):
+        self.seen += x.detach().mean()
+        return x
+
+
+class EvalMixer(nn.Module):
+    """Has a buffer, but mixes in eval mode too: pinning cannot help, so it is refused."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("scale", torch.ones(()))
+
+    def forward(self, x):
+        return x * self.scale - x.mean(0, keepdim=True)
+
+
+# (label, factory, what it must get)
+FAMILIES = [
+    ("BatchNorm2d", lambda: nn.BatchNorm2d(4), "frozen"),
+    ("BatchNorm2d-no-affine", lambda: nn.BatchNorm2d(4, affine=False), "frozen"),
+    ("BatchNorm2d-no-stats", lambda: nn.BatchNorm2d(4, track_running_stats=False), "refused"),
+    ("BatchNormAct2d", lambda: BatchNormAct2d(4), "frozen"),
+    ("InstanceNorm2d-running", lambda: nn.InstanceNorm2d(4, track_running_stats=True), "frozen"),
+    ("InstanceNorm2d", lambda: nn.InstanceNorm2d(4, affine=True), "passes"),
+    ("EvoNorm2dB0", lambda: EvoNorm2dB0(4), "frozen"),
+    ("EvoNorm2dB1", lambda: EvoNorm2dB1(4), "frozen"),
+    ("EvoNorm2dS0", lambda: EvoNorm2dS0(4, group_size=2), "passes"),
+    ("GroupNorm", lambda: nn.GroupNorm(2, 4), "passes"),
+    ("LayerNorm", lambda: nn.LayerNorm([4, 4, 4]), "passes"),
+    ("BatchMean", BatchMean, "refused"),
+    ("InputTracker", InputTracker, "refused"),
+    ("EvalMixer", EvalMixer, "refused"),
+]
+
+
+def _net(norm: nn.Module, train_norm: bool) -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(1, 4, 3), norm, nn.Flatten(), nn.Linear(64, 3))
+    with torch.no_grad():  # non-private pre-training stand-in: statistics off their init
+        model.train()
+        model(torch.randn(8, 1, 6, 6) * 2 + 1)
+    for p in norm.parameters():
+        p.requires_grad_(train_norm)
+    return model
+
+
+def _per_example_norms(model: nn.Module, wrapped: nn.Module, x, y) -> torch.Tensor:
+    wrapped.train()
+    nn.functional.cross_entropy(wrapped(x), y).backward()
+    params = [p for p in model.parameters() if p.requires_grad]
+    norms = wrapped.per_sample_norms(params)
+    wrapped.clear()
+    for p in model.parameters():
+        p.grad = None
+    return norms
+
+
+@pytest.mark.parametrize("train_norm", [False, True], ids=["norm-frozen", "norm-trained"])
+@pytest.mark.parametrize("label,factory,outcome", FAMILIES, ids=[f[0] for f in FAMILIES])
+def test_each_family_is_frozen_refused_or_passes_and_never_mixes(
+    label, factory, outcome, train_norm
+):
+    norm = factory()
+    kind = type(norm).__name__
+    if train_norm and not any(True for _ in norm.parameters()):
+        pytest.skip("no parameters to train")
+    model = _net(norm, train_norm)
+    if outcome == "refused":
+        with pytest.raises(MixedExamplesError, match=rf"'1' \({kind}\)"):
+            wrap_for_dp(model, "bk", sample=SAMPLE)
+        return
+    buffers = {k: v.clone() for k, v in model.named_buffers()}
+    wrapped = wrap_for_dp(model, "bk", sample=SAMPLE)
+    frozen = wrapped.independence.frozen
+    assert frozen == ((f"'1' ({kind})",) if outcome == "frozen" else ())
+    # the issue's measurement: change example 4 only; every other example's norm stays put
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(5, 1, 6, 6, generator=g), torch.tensor([0, 1, 2, 0, 1])
+    before = _per_example_norms(model, wrapped, x, y)
+    x2 = x.clone()
+    x2[3] = x2[3] * 5 + 3
+    after = _per_example_norms(model, wrapped, x2, y)
+    keep = torch.arange(5) != 3
+    torch.testing.assert_close(after[keep], before[keep], rtol=1e-6, atol=0)
+    # and nothing was learnt outside the accounting
+    for k, v in model.named_buffers():
+        assert torch.equal(v, buffers[k]), k
+
+
+@pytest.mark.parametrize("mode", ["hooks", "functorch", "ew"])
+def test_every_mode_refuses_a_mixing_module_and_freezes_statistics(mode):
+    with pytest.raises(MixedExamplesError, match=r"'1' \(BatchMean\)"):
+        wrap_for_dp(_net(BatchMean(), False), mode, sample=SAMPLE)
+    model = _net(nn.InstanceNorm2d(4, track_running_stats=True), False)
+    wrapped = wrap_for_dp(model, mode, sample=SAMPLE)
+    assert wrapped.independence.frozen == ("'1' (InstanceNorm2d)",)
+    running = model[1].running_var.clone()
+    wrapped.train()
+    nn.functional.cross_entropy(wrapped(torch.randn(4, 1, 6, 6)), torch.zeros(4).long()).backward()
+    assert torch.equal(model[1].running_var, running)
+
+
+def test_without_a_sample_shape_the_first_forward_checks():
+    """A path that wraps without the data's shape is checked on its first batch, before it."""
+    model = _net(BatchMean(), False)
+    wrapped = wrap_for_dp(model, "bk")
+    assert wrapped.independence is None
+    with pytest.raises(MixedExamplesError, match="BatchMean"):
+        wrapped(torch.randn(4, 1, 6, 6))
+    model = _net(EvoNorm2dB0(4), False)
+    wrapped = wrap_for_dp(model, "bk")
+    wrapped(torch.randn(4, 1, 6, 6))
+    assert wrapped.independence.frozen == ("'1' (EvoNorm2dB0)",)
+
+
+def test_frozen_batchnorm_passes_and_is_reported():
+    model = _net(BatchNormAct2d(4), True)
+    assert freeze_batchnorm(model) == ["1"]
+    wrapped = wrap_for_dp(model, "bk", sample=SAMPLE)
+    assert wrapped.independence.frozen == ("'1' (BatchNormAct2d)",)
+    assert wrapped.independence.pinned == ()
+
+
+def test_the_check_leaves_an_independent_model_and_the_rng_untouched():
+    model = _net(nn.GroupNorm(2, 4), True)
+    model[0].eval()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    modes = [m.training for m in model.modules()]
+    torch.manual_seed(3)
+    rng = torch.get_rng_state()
+    wrapped = wrap_for_dp(model, "bk", sample=SAMPLE, check=False)
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert [m.training for m in model.modules()] == modes
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+    assert wrapped.independence.frozen == () and wrapped.per_sample_check is None
