@@ -134,6 +134,29 @@ def test_features_are_the_classifier_inputs_at_unit_norm():
     assert torch.allclose(f.norm(dim=1), torch.ones(9), atol=1e-5)
 
 
+def test_features_refuse_a_model_that_mixes_examples_in_eval_mode():
+    """Extraction runs in batches: a per-batch statistic would leak across examples."""
+    from dpadapter.train.per_sample import MixedExamplesError
+
+    class Centre(torch.nn.Module):
+        def forward(self, x):
+            return x - x.mean(0, keepdim=True)
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body, self.head = Centre(), torch.nn.Linear(4, 3)
+
+        def forward(self, x):
+            return self.head(self.body(x))
+
+        def get_classifier(self):
+            return self.head
+
+    with pytest.raises(MixedExamplesError, match=r"eval mode, 'body' \(Centre\)"):
+        features.extract(Net(), torch.randn(9, 4), batch_size=4)
+
+
 # --- one replicate end to end, on tiny synthetic features ----------------------------------------
 def _probe_cfg(tmp_path, **hpo):
     raw = copy.deepcopy(TINY_RAW)

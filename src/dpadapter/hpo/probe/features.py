@@ -20,12 +20,20 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from dpadapter.train.per_sample.independence import make_independent
+
 SPLITS = ("train", "val", "test")
 
 
 @torch.no_grad()
 def extract(model: nn.Module, x: torch.Tensor, batch_size: int = 1000) -> torch.Tensor:
-    """Inputs of `model`'s classifier for every row of x, unit l2 norm, float32."""
+    """Inputs of `model`'s classifier for every row of x, unit l2 norm, float32.
+
+    The rows go through in batches: a module that mixes the examples of a batch even in eval
+    mode would make each feature (so each clipped head gradient) depend on other examples, so
+    the model is checked first (`make_independent` in eval mode) and refused if one does.
+    """
+    make_independent(model, x.shape[1:], x.dtype, train=False)
     captured: list[torch.Tensor] = []
     hook = model.get_classifier().register_forward_hook(
         lambda _m, inputs, _out: captured.append(torch.flatten(inputs[0], 1).detach())
