@@ -20,7 +20,7 @@ from dpadapter.train.per_sample import (
     wrap_for_dp,
 )
 from dpadapter.train.per_sample import bookkeeping as bk_module
-from dpadapter.train.per_sample.self_test import TOLERANCE
+from dpadapter.train.per_sample.self_test import EXAMPLES, TOLERANCE
 
 SAMPLE = ((1, 28, 28), torch.float32)
 
@@ -68,7 +68,7 @@ def test_every_mode_passes_on_the_embedded_cnn_and_leaves_no_trace(mode):
     assert torch.equal(torch.get_rng_state(), rng)  # no global draw
     assert ref.per_sample_check is None
     rec = got.per_sample_check
-    assert rec["mode"] == mode and rec["examples"] == 3 and rec["passed"] is True
+    assert rec["mode"] == mode and rec["examples"] == EXAMPLES and rec["passed"] is True
     assert rec["tolerance"] == TOLERANCE and 0 <= rec["max_rel_error"] < 1e-5
     assert _state(checked) == before  # as if wrapped without the check
     if mode == "bk":
@@ -101,9 +101,7 @@ def test_a_wrong_opacus_grad_sampler_is_refused_naming_the_module(monkeypatch):
 
     right = lambda layer, a, b: {layer.w: a[0] * b}  # noqa: E731
     monkeypatch.setitem(GradSampleModule.GRAD_SAMPLERS, Scale, right)
-    assert wrap_for_dp(model(), "hooks", sample=((6,), torch.float32)).per_sample_check[
-        "passed"
-    ]
+    assert wrap_for_dp(model(), "hooks", sample=((6,), torch.float32)).per_sample_check["passed"]
     monkeypatch.setitem(GradSampleModule.GRAD_SAMPLERS, Scale, _wrong_scale_sampler)
     m = model()
     with pytest.raises(PerSampleCheckError, match=r"'hooks' .* at module '2' \(Scale\)"):

@@ -92,7 +92,9 @@ def wrap_for_dp(
         found = make_independent(model, shape, dtype)
         _report(found)
         if check:
-            wrapped, record = run_check(model, wrap, mode, shape, dtype, examples=check_batch)
+            wrapped, record = run_check(
+                model, wrap, bind_optimizer, mode, shape, dtype, examples=check_batch
+            )
         else:
             wrapped, record = wrap(), None
     wrapped.per_sample_check = record

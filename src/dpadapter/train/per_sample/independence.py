@@ -174,14 +174,14 @@ def _record_calls(model: nn.Module, x: torch.Tensor) -> dict[nn.Module, tuple]:
         calls.setdefault(module, (tree_map(_detached, args), tree_map(_detached, kwargs)))
 
     handles = [m.register_forward_pre_hook(keep, with_kwargs=True) for m in model.modules()]
-    snap = _snapshot(model)
+    snap = snapshot_buffers(model)
     try:
         torch.manual_seed(SEED)
         model(x)
     finally:
         for h in handles:
             h.remove()
-        _restore(snap)
+        restore_buffers(snap)
     return calls
 
 
@@ -214,12 +214,12 @@ def _fault(m: nn.Module, call: tuple, n: int) -> str | None:
 
 def _run(m: nn.Module, args: tuple, kwargs: dict) -> tuple[Any, dict[nn.Module, list[str]]]:
     args, kwargs = tree_map(_cloned, (args, kwargs))  # an in-place forward keeps the record
-    snap = _snapshot(m)
+    snap = snapshot_buffers(m)
     try:
         torch.manual_seed(SEED)  # the same draws for both calls (dropout's masks)
         out = tree_map(_cloned, m(*args, **kwargs))
     finally:
-        changed = _restore(snap)
+        changed = restore_buffers(snap)
     return out, changed
 
 
@@ -252,7 +252,8 @@ def _cloned(v: Any) -> Any:
     return v.clone() if torch.is_tensor(v) else v
 
 
-def _snapshot(m: nn.Module) -> list[tuple[nn.Module, str, torch.Tensor, torch.Tensor]]:
+def snapshot_buffers(m: nn.Module) -> list[tuple[nn.Module, str, torch.Tensor, torch.Tensor]]:
+    """Every buffer of `m` and its submodules, with a copy of its values (`restore_buffers`)."""
     return [
         (mod, k, t, t.detach().clone())
         for mod in m.modules()
@@ -261,7 +262,7 @@ def _snapshot(m: nn.Module) -> list[tuple[nn.Module, str, torch.Tensor, torch.Te
     ]
 
 
-def _restore(snap) -> dict[nn.Module, list[str]]:
+def restore_buffers(snap) -> dict[nn.Module, list[str]]:
     """Put every buffer back (object and values); return those that had changed, by module."""
     changed: dict[nn.Module, list[str]] = {}
     for mod, k, t, saved in snap:

@@ -1,28 +1,43 @@
 """The per-sample self-test run when a model is wrapped for DP (`finetune.per_sample_check`).
 
-Each example's clipped contribution is only bounded by C if its gradient norm is the true one:
-a per-sample mode that computes a wrong norm for some layer (an Opacus grad sampler that
-mishandles a layout, a closed form applied to a subclass that changed the forward) breaks the
-sensitivity the accountant assumes, silently. Before any private step, the mode's per-example
-gradient norms for three synthetic examples are compared, module by module, with a torch.func
-reference (`grad` of each example's own loss, over the model's trainable parameters); a
-mismatch refuses to train and names the module.
+Each example's clipped contribution is only bounded by C if its gradient norm is the true one
+and the released sum is the sum of what was clipped: a per-sample mode that computes a wrong
+norm for some layer (an Opacus grad sampler that mishandles a layout, a closed form applied to
+a subclass that changed the forward) or a wrong clipped sum breaks the sensitivity the
+accountant assumes, silently. So before any private step the test compares, module by module,
+what the mode computes with a torch.func reference (`grad` of each example's own loss over the
+model's trainable parameters, under `vmap` in chunks):
 
-What it does not touch: private data (inputs are drawn from a private generator in the
-training data's sample shape, labels from the model's output size), the global RNG (forked),
-the model's parameters, modes or per-sample state (`p.grad`, `p.grad_sample`, Opacus'
-activations, bk's records and plan are restored). The forward runs in eval mode except for the
-modules that own trainable parameters, which Opacus' hooks only record in training mode (a
-BatchNorm stays in eval: it would mix the examples); so dropout draws nothing. Everything runs
-in full FP32 (`device.full_fp32`): the reference and the mode use different kernels, and under
-TF32 they could differ by ~1e-3 for right gradients.
+- the per-example gradient norms;
+- the clipped sums `sum_i c_i g_i`, as the DP optimizer bound by `bind` releases them (Opacus'
+  `clip_and_accumulate`, or bk's), at a clip bound C that clips about half of the examples
+  (the median reference norm of the first chunk) so both branches of the clip run;
+- each example's norms again after another example of the batch is changed: they must not
+  move (a per-sample mode that lets examples interact, or a layer that mixes them in its
+  backward, would).
 
-Tolerance: a relative error of 1e-3 (`TOLERANCE`): rounding differences between right
-implementations are ~1e-6 in FP32, a wrong per-example gradient is off by O(1) (the channels-
-last bug of Opacus' hooks mode: 1.4). The error of a module is `max_i |n_i - r_i| / R_i`: its
-norm n_i against the reference r_i, relative to the example's whole reference norm R_i (so a
-module with a tiny gradient is not flagged for rounding), and the whole norms are compared
-the same way.
+It runs on as many synthetic examples as a physical batch will hold (`examples`: dp_fit passes
+the configured physical batch size, or the expected batch), so the code paths chosen by batch
+size (bk keeps per-example gradients for the sum below `keep_elements`, recomputes them above)
+are the ones tested. The modules run in the mode they train in (`model.train()`; whatever
+`independence` pinned stays in eval), except the ones that draw random numbers (dropout): a
+per-example reference cannot draw a batch's masks, so those are compared in eval mode (found by
+their effect on the RNG state, whatever their class; listed in the record).
+
+Error of a module: `max_i |n_i - r_i| / max(r_i, FLOOR R_i)`, its norm n_i against the reference
+r_i relative to the module's own reference norm, floored at `FLOOR` of the example's whole norm
+R_i (a module with no gradient for an example is not judged by rounding alone); its clipped sum
+`|S - S_ref| / max(sum_i c_i r_i, FLOOR sum_i c_i R_i)` (the bound on that module's share of the
+sum, which cancellation between examples cannot shrink). Tolerance 1e-3 (`TOLERANCE`): rounding
+between right implementations is ~1e-6 in FP32, a wrong per-example gradient is off by O(1)
+(the channels-last bug of Opacus' hooks mode: 1.4).
+
+What it does not touch: private data (inputs from a private generator in the training data's
+sample shape, labels from the model's output size), the global RNG (forked), the model's
+parameters, buffers, modes or per-sample state (`p.grad`, `p.grad_sample`, `p.summed_grad`,
+Opacus' activations, bk's records and plan are restored). Everything runs in full FP32
+(`device.full_fp32`): under TF32 the reference and the mode could differ by ~1e-3 for right
+gradients.
 """
 
 from __future__ import annotations
@@ -33,78 +48,112 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from opacus.optimizers import DPOptimizer
 from torch import nn
-from torch.func import functional_call, grad
+from torch.func import functional_call, grad, vmap
 
 from dpadapter.device import full_fp32
+from dpadapter.train.per_sample.clip import clip_factors
+from dpadapter.train.per_sample.independence import restore_buffers, snapshot_buffers
 
 TOLERANCE = 1e-3
-EXAMPLES = 3
+FLOOR = 1e-5
+EXAMPLES = 8  # when no physical batch size is given
+CHUNK_ELEMENTS = 1 << 24  # per-example gradients held at once by the reference (64 MiB fp32)
 SEED = 0x5E1F7E57  # the inputs' private generator: nothing else draws from it
+WHOLE = "the whole gradient"
 
 
 class PerSampleCheckError(RuntimeError):
-    """The per-sample mode's gradient norms disagree with the reference: training is refused."""
+    """The per-sample mode's norms or sums disagree with the reference: training is refused."""
 
 
 def run_check(
     model: nn.Module,
     wrap: Callable[[], nn.Module],
+    bind: Callable[[DPOptimizer, nn.Module], DPOptimizer],
     mode: str,
     sample_shape: Sequence[int],
     dtype: torch.dtype = torch.float32,
     examples: int | None = None,
     tolerance: float = TOLERANCE,
 ) -> tuple[nn.Module, dict[str, Any]]:
-    """Wrap `model` by `wrap()` and check the wrapped module's per-example norms.
+    """Wrap `model` by `wrap()` and check what the wrapped module's clipping computes.
 
-    Returns (wrapped, record for metrics.json); raises PerSampleCheckError on a mismatch.
+    `bind` makes a DP optimizer clip the way the wrapped module records gradients (what
+    training binds). Returns (wrapped, record for metrics.json); raises PerSampleCheckError.
     """
-    examples = examples or EXAMPLES
+    n = max(2, examples or EXAMPLES)
     groups = _trained_groups(model)
     if not groups:
-        return wrap(), _record(mode, 0, 0.0, tolerance, "")
+        return wrap(), _record(mode, 0, {}, tolerance, [])
     param = next(p for ps in groups.values() for p in ps)
     devices = [param.device] if param.device.type == "cuda" else []
     modes = {m: m.training for m in model.modules()}
+    buffers = snapshot_buffers(model)
     try:
         with torch.random.fork_rng(devices=devices), full_fp32():
             gen = torch.Generator().manual_seed(SEED)
-            x = torch.randn((examples, *sample_shape), generator=gen).to(param.device, dtype)
-            _eval_but_trained(model)
+            x = _synthetic((n, *sample_shape), dtype, gen).to(param.device)
+            model.train()  # the mode it trains in (pinned modules stay in eval)
+            drawing = _random_modules(model, x)
+            for m in drawing.values():
+                m.training = False
             with torch.no_grad():
                 classes = model(x).shape[-1]
-            y = torch.randint(0, classes, (examples,), generator=gen).to(param.device)
-            ref = _reference_norms(model, groups, x, y)
+            y = torch.randint(0, classes, (n,), generator=gen).to(param.device)
+            x2 = x.clone()
+            x2[n // 2] = _synthetic(x.shape[1:], dtype, gen).to(param.device) * 3 + 1
+            ref = _reference(model, groups, x, y)
             wrapped = wrap()  # what wrapping adds (hooks, Opacus' attributes) stays
             with _restored(model):  # the mode's per-sample state is dropped after
-                got = _mode_norms(wrapped, groups, x, y)
+                got = _mode_run(wrapped, bind, groups, x, y, ref["clip"])
+            with _restored(model):
+                moved = _mode_run(wrapped, None, groups, x2, y, None)
     finally:
         for m, training in modes.items():
             m.training = training
-    err, worst = _compare(ref, got)
-    record = _record(mode, examples, err, tolerance, worst)
-    if not err <= tolerance:
+        restore_buffers(buffers)
+    errors = _compare(ref, got, moved, n // 2)
+    record = _record(mode, n, errors, tolerance, sorted(drawing))
+    if not record["passed"]:
         if hasattr(wrapped, "_close"):
             wrapped._close()
+        kind, where = record["worst"].split(" at ", 1)
         raise PerSampleCheckError(
-            f"per-sample self-test: grad_sample_mode {mode!r} gives per-example gradient norms "
-            f"off by {err:.3g} (relative; tolerance {tolerance:g}) at {worst}; training refused "
-            "(another grad_sample_mode may compute them right; finetune.per_sample_check: false "
-            "skips this test)"
+            f"per-sample self-test: grad_sample_mode {mode!r} gives {kind} off by "
+            f"{record['max_rel_error']:.3g} (relative; tolerance {tolerance:g}) at {where}; "
+            "training refused (another grad_sample_mode may compute them right; "
+            "finetune.per_sample_check: false skips this test)"
         )
     return wrapped, record
 
 
-def _record(mode: str, examples: int, err: float, tolerance: float, worst: str) -> dict:
+def _record(mode, examples, errors: dict[str, float], tolerance, drawing) -> dict:
+    worst = max(errors, key=lambda k: (errors[k], WHOLE not in k), default="")
+    err = errors.get(worst, 0.0)
+    by_kind = {}
+    for kind in ("per-example norms", "clipped sums", "norms after another example changed"):
+        vals = [v for k, v in errors.items() if k.startswith(kind + " ")]
+        by_kind[kind.split(" ")[0] if kind != "clipped sums" else "sums"] = max(vals, default=0.0)
     return {
         "mode": mode,
         "examples": examples,
         "max_rel_error": err,
+        "norm_error": by_kind["per-example"],
+        "sum_error": by_kind["sums"],
+        "independence_error": by_kind["norms"],
         "tolerance": tolerance,
         "passed": err <= tolerance,
         "worst": worst or None,
+        "eval_in_check": drawing,
     }
+
+
+def _synthetic(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator):
+    if dtype.is_floating_point:
+        return torch.randn(shape, generator=gen).to(dtype)
+    return torch.randint(0, 2, shape, generator=gen).to(dtype)
 
 
 def _trained_groups(model: nn.Module) -> dict[str, list[nn.Parameter]]:
@@ -117,72 +166,175 @@ def _trained_groups(model: nn.Module) -> dict[str, list[nn.Parameter]]:
     return out
 
 
-def _eval_but_trained(model: nn.Module) -> None:
-    for m in model.modules():
-        trained = any(p.requires_grad for p in m.parameters(recurse=False))
-        m.training = trained and not isinstance(m, nn.modules.batchnorm._BatchNorm)
+def _random_modules(model: nn.Module, x: torch.Tensor) -> dict[str, nn.Module]:
+    """The innermost modules whose training-mode forward draws from the RNG (dropout)."""
+    cuda = x.device.type == "cuda"
+
+    def state() -> list[torch.Tensor]:
+        return [torch.get_rng_state()] + ([torch.cuda.get_rng_state(x.device)] if cuda else [])
+
+    open_calls: dict[nn.Module, list[list[torch.Tensor]]] = {}
+    drew: set[nn.Module] = set()
+
+    def pre(m, args):
+        open_calls.setdefault(m, []).append(state())
+
+    def post(m, args, out):
+        before = open_calls[m].pop()
+        if any(not torch.equal(a, b) for a, b in zip(before, state(), strict=True)):
+            drew.add(m)
+
+    handles = [m.register_forward_pre_hook(pre) for m in model.modules()]
+    handles += [m.register_forward_hook(post) for m in model.modules()]
+    snap = snapshot_buffers(model)
+    try:
+        with torch.no_grad():
+            model(x)
+    finally:
+        for h in handles:
+            h.remove()
+        restore_buffers(snap)
+    return {
+        name or "<root>": m
+        for name, m in model.named_modules()
+        if m in drew and not any(c in drew for c in m.modules() if c is not m)
+    }
 
 
-def _reference_norms(model, groups, x, y) -> dict[str, torch.Tensor]:
-    """{module: (n,) norms} from torch.func's gradient of each example's own loss."""
+def _reference(model, groups, x, y) -> dict[str, Any]:
+    """torch.func's per-example gradients, reduced as they stream by in chunks: each module's
+    norms (n,), the whole norms, the clip bound C, and the clipped sums per parameter."""
     names = {id(p): n for n, p in model.named_parameters()}
     params = {names[id(p)]: p.detach() for ps in groups.values() for p in ps}
+    size = sum(p.numel() for p in params.values())
+    chunk = max(1, min(len(y), CHUNK_ELEMENTS // max(size, 1)))
 
     def loss(q, xi, yi):
         return F.cross_entropy(functional_call(model, q, (xi[None],)), yi[None])
 
-    per = [grad(loss)(params, x[i], y[i]) for i in range(len(y))]
+    batched = vmap(grad(loss), in_dims=(None, 0, 0))
+
+    def grads(i: int, j: int) -> dict[str, torch.Tensor]:
+        try:
+            return batched(params, x[i:j], y[i:j])
+        except RuntimeError:  # an op without a batching rule: one example at a time
+            per = [grad(loss)(params, x[k], y[k]) for k in range(i, j)]
+            return {k: torch.stack([g[k] for g in per]) for k in params}
+
+    norms: dict[str, list[torch.Tensor]] = {mod: [] for mod in groups}
+    sums = {k: torch.zeros_like(p, dtype=torch.float64) for k, p in params.items()}
+    shares = {mod: torch.zeros((), dtype=torch.float64) for mod in groups}
+    clip = None
+    for i in range(0, len(y), chunk):
+        g = grads(i, min(len(y), i + chunk))
+        mod_norms = {
+            mod: _rows_norm([g[names[id(p)]] for p in ps]).cpu() for mod, ps in groups.items()
+        }
+        whole = torch.sqrt(sum(v.pow(2) for v in mod_norms.values()))
+        if clip is None:  # about half of the examples clipped: both branches run
+            clip = float(whole.median())
+        c = clip_factors(whole, clip)
+        for mod, v in mod_norms.items():
+            norms[mod].append(v)
+            shares[mod] += (c * v).sum()
+        for k, v in g.items():
+            sums[k] += torch.tensordot(c.to(v.device, torch.float64), v.double(), dims=1)
     return {
-        mod: torch.stack([_norm([g[names[id(p)]] for p in ps]) for g in per])
-        for mod, ps in groups.items()
+        "norms": {mod: torch.cat(v) for mod, v in norms.items()},
+        "sums": {mod: [sums[names[id(p)]] for p in ps] for mod, ps in groups.items()},
+        "shares": shares,
+        "clip": clip,
     }
 
 
-def _mode_norms(wrapped, groups, x, y) -> dict[str, torch.Tensor]:
-    """{module: (n,) norms} as the wrapped mode computes them for clipping."""
+def _rows_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """(n,) norms of the rows of several (n, ...) tensors together, in float64."""
+    return torch.sqrt(sum(t.detach().double().flatten(1).pow(2).sum(1) for t in tensors))
+
+
+def _mode_run(wrapped, bind, groups, x, y, clip) -> dict[str, Any]:
+    """{norms: {module: (n,)}, sums: {module: [summed_grad]}} as the wrapped mode computes
+    them: one forward/backward on the batch, the norms, then (with `bind`) the clipped sums of
+    a noiseless DP optimizer bound as training binds it."""
     from dpadapter.train.per_sample.bookkeeping import BookKeepingModule
 
+    params = [p for ps in groups.values() for p in ps]
     F.cross_entropy(wrapped(x), y).backward()
-    if isinstance(wrapped, BookKeepingModule):
-        with torch.no_grad():
-            out = {mod: wrapped.per_sample_norms(ps) for mod, ps in groups.items()}
+    bk = isinstance(wrapped, BookKeepingModule)
+    with torch.no_grad():
+        if bk:
+            norms = {mod: wrapped.per_sample_norms(ps).double().cpu() for mod, ps in groups.items()}
+        else:
+            norms = {mod: _opacus_norms(ps, len(y)) for mod, ps in groups.items()}
+    sums = None
+    if bind is not None and all(v.isfinite().all() for v in norms.values()):
+        opt = DPOptimizer(
+            torch.optim.SGD(params, lr=0.0),
+            noise_multiplier=0.0,
+            max_grad_norm=clip,
+            expected_batch_size=len(y),
+        )
+        bind(opt, wrapped).clip_and_accumulate()
+        sums = {mod: [p.summed_grad.detach().double() for p in ps] for mod, ps in groups.items()}
+    if bk:
         wrapped.clear()
         wrapped.last_plan = {}
         wrapped.workspace.clear()
-        return out
-    out = {}
-    for mod, ps in groups.items():
-        gs = [getattr(p, "grad_sample", None) for p in ps]
-        if any(not isinstance(g, torch.Tensor) for g in gs):
-            out[mod] = torch.full((len(y),), float("nan"), device=x.device)
-        else:
-            out[mod] = torch.stack([_norm([g[i] for g in gs]) for i in range(len(y))])
+    return {"norms": norms, "sums": sums}
+
+
+def _opacus_norms(ps: list[nn.Parameter], n: int) -> torch.Tensor:
+    gs = [getattr(p, "grad_sample", None) for p in ps]
+    if any(not isinstance(g, torch.Tensor) for g in gs):
+        return torch.full((n,), float("nan"), dtype=torch.float64)
+    return _rows_norm(gs).cpu()
+
+
+def _compare(ref: dict, got: dict, moved: dict, changed: int) -> dict[str, float]:
+    """Every relative error, keyed "<what> at <where>" (module docstring for the formulas)."""
+    out: dict[str, float] = {}
+    r, n = ref["norms"], got["norms"]
+    whole_r = torch.sqrt(sum(v.pow(2) for v in r.values()))
+    whole_n = torch.sqrt(sum(v.pow(2) for v in n.values()))
+    floor = FLOOR * whole_r
+    tiny = torch.finfo(torch.float64).tiny
+    for mod, rv in r.items():
+        scale = torch.maximum(rv, floor).clamp(min=tiny)
+        out[f"per-example norms at {mod}"] = _max((n[mod] - rv).abs() / scale)
+    out[f"per-example norms at {WHOLE}"] = _max((whole_n - whole_r).abs() / whole_r.clamp(tiny))
+    if got["sums"] is None:
+        out[f"clipped sums at {WHOLE}"] = float("inf")  # not computed: norms were not finite
+    else:
+        total_share = sum(ref["shares"].values())
+        for mod, want in ref["sums"].items():
+            diff = torch.sqrt(
+                sum(
+                    (a.cpu() - b.cpu()).pow(2).sum()
+                    for a, b in zip(got["sums"][mod], want, strict=True)
+                )
+            )
+            scale = max(float(ref["shares"][mod]), FLOOR * float(total_share), tiny)
+            out[f"clipped sums at {mod}"] = float(diff) / scale
+    keep = torch.arange(len(whole_n)) != changed
+    m = moved["norms"]
+    for mod, nv in n.items():
+        scale = torch.maximum(nv, FLOOR * whole_n).clamp(min=tiny)
+        err = ((m[mod] - nv).abs() / scale)[keep]
+        out[f"norms after another example changed at {mod}"] = _max(err)
     return out
 
 
-def _norm(tensors: list[torch.Tensor]) -> torch.Tensor:
-    return torch.sqrt(sum(t.detach().double().pow(2).sum() for t in tensors))
-
-
-def _compare(ref: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> tuple[float, str]:
-    total_ref = torch.sqrt(sum(r.double().pow(2) for r in ref.values()))
-    total_got = torch.sqrt(sum(g.double().pow(2) for g in got.values()))
-    scale = total_ref.clamp(min=torch.finfo(torch.float64).tiny)
-    errs = {
-        mod: float(((got[mod].double() - r.double()).abs() / scale).max()) for mod, r in ref.items()
-    }
-    errs["the whole gradient"] = float(((total_got - total_ref).abs() / scale).max())
-    errs = {k: (float("inf") if v != v else v) for k, v in errs.items()}  # nan: none computed
-    worst = max(errs, key=lambda k: (errs[k], k != "the whole gradient"))
-    return errs[worst], worst
+def _max(t: torch.Tensor) -> float:
+    v = float(t.max()) if t.numel() else 0.0
+    return float("inf") if v != v else v  # nan: none computed
 
 
 @contextmanager
 def _restored(model: nn.Module):
     """Every module's and parameter's Python attributes, `p.grad` and `requires_grad` after.
 
-    (Opacus keeps its per-sample state there: `p.grad_sample`, `p._forward_counter`,
-    `module.activations`, `module.max_batch_len`.)
+    (Opacus keeps its per-sample state there: `p.grad_sample`, `p.summed_grad`,
+    `p._forward_counter`, `module.activations`, `module.max_batch_len`.)
     """
     mods = [(m, dict(m.__dict__), _lists(m.__dict__)) for m in model.modules()]
     params = [(p, dict(p.__dict__), p.grad, p.requires_grad) for p in model.parameters()]
