@@ -171,3 +171,61 @@ def test_the_check_leaves_an_independent_model_and_the_rng_untouched():
     assert [m.training for m in model.modules()] == modes
     assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
     assert wrapped.independence.frozen == () and wrapped.per_sample_check is None
+
+
+class Net(nn.Module):
+    """A conv body with a norm and a linear head (what head tuning trains)."""
+
+    def __init__(self, norm: nn.Module):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Sequential(nn.Conv2d(1, 4, 3), norm, nn.Flatten())
+        self.head = nn.Linear(64, 3)
+
+    def forward(self, x):
+        return self.head(self.body(x))
+
+    def get_classifier(self):
+        return self.head
+
+
+def _head_tuning(model: nn.Module):
+    """The issue's setting: DP head tuning (every norm parameter frozen) through dp_fit."""
+    from torch.utils.data import TensorDataset
+
+    from dpadapter.algorithms import DPRunSpec
+    from dpadapter.strategies import get_strategy
+    from dpadapter.train.dp_fit import FitSettings, dp_fit
+
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(64, 1, 6, 6, generator=g), torch.randint(0, 3, (64,)))
+    spec = DPRunSpec(
+        target_epsilon=8.0,
+        delta=1e-5,
+        sample_rate=0.25,
+        steps_per_epoch=4,
+        epochs=1,
+        expected_batch_size=16,
+        max_grad_norm=1.0,
+    )
+    settings = FitSettings(0.5, 0.0, "bk", None, False, "cpu", False)
+    schedule = get_strategy("ht").schedule(4)
+    return dp_fit(model, data, "dpsgd", spec, settings, 0, schedule=schedule)
+
+
+def test_dp_head_tuning_freezes_evonorm_statistics_end_to_end():
+    model = Net(EvoNorm2dB0(4))
+    with torch.no_grad():  # pre-trained statistics
+        model.train()
+        model(torch.randn(8, 1, 6, 6) * 2 + 1)
+    running = model.body[1].running_var.clone()
+    head = model.head.weight.detach().clone()
+    algo, ledger = _head_tuning(model)
+    assert ledger.steps == 4 and not torch.equal(model.head.weight, head)  # it trained
+    assert torch.equal(model.body[1].running_var, running)  # learnt nothing from the batch
+    assert algo.frozen_statistics == ["'body.1' (EvoNorm2dB0)"]  # what metrics.json records
+
+
+def test_dp_head_tuning_refuses_a_module_that_mixes_examples():
+    with pytest.raises(MixedExamplesError, match=r"'body.1' \(BatchMean\)"):
+        _head_tuning(Net(BatchMean()))
