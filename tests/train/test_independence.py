@@ -189,7 +189,7 @@ class Net(nn.Module):
         return self.head
 
 
-def _head_tuning(model: nn.Module):
+def _head_tuning(model: nn.Module, check: bool = True):
     """The issue's setting: DP head tuning (every norm parameter frozen) through dp_fit."""
     from torch.utils.data import TensorDataset
 
@@ -208,7 +208,7 @@ def _head_tuning(model: nn.Module):
         expected_batch_size=16,
         max_grad_norm=1.0,
     )
-    settings = FitSettings(0.5, 0.0, "bk", None, False, "cpu", False)
+    settings = FitSettings(0.5, 0.0, "bk", None, False, "cpu", False, per_sample_check=check)
     schedule = get_strategy("ht").schedule(4)
     return dp_fit(model, data, "dpsgd", spec, settings, 0, schedule=schedule)
 
@@ -226,6 +226,8 @@ def test_dp_head_tuning_freezes_evonorm_statistics_end_to_end():
     assert algo.frozen_statistics == ["'body.1' (EvoNorm2dB0)"]  # what metrics.json records
 
 
-def test_dp_head_tuning_refuses_a_module_that_mixes_examples():
+@pytest.mark.parametrize("check", [True, False], ids=["self-test", "no-self-test"])
+def test_dp_head_tuning_refuses_a_module_that_mixes_examples(check):
+    """By name, whether or not the (optional) self-test runs."""
     with pytest.raises(MixedExamplesError, match=r"'body.1' \(BatchMean\)"):
-        _head_tuning(Net(BatchMean()))
+        _head_tuning(Net(BatchMean()), check)
