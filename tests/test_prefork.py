@@ -186,3 +186,62 @@ def test_no_server_or_switched_off_runs_in_process(tmp_path, monkeypatch):
     monkeypatch.setenv(prefork.ENV, str(tmp_path / "no.sock"))
     monkeypatch.setenv("SLURM_JOB_ID", "1")
     assert prefork.delegate(["validate"]) is None
+
+
+_HAZARDS = {
+    # a preloaded module (or a future edit) that initialised CUDA in the server
+    "cuda": "import torch; torch.cuda.is_initialized = lambda: True",
+    # a second Python thread alive in the server at fork time
+    "thread": "import threading, time; threading.Thread("
+    "target=time.sleep, args=(600,), name='stray-worker', daemon=True).start()",
+}
+
+
+@pytest.mark.parametrize("hazard", sorted(_HAZARDS))
+def test_a_server_that_cannot_fork_safely_refuses_by_name(hazard, tmp_path):
+    """The server checks before every fork that CUDA is not initialised in it and that it runs
+    one Python thread; otherwise the job runs in its own process and is told why."""
+    path = str(tmp_path / "jobs.sock")
+    serve = f"from dpadapter import prefork\nprefork.serve({path!r}, {os.getpid()}, 60)"
+    code = f"{_HAZARDS[hazard]}\n{serve}"
+    log = open(tmp_path / "server.log", "wb")  # noqa: SIM115
+    srv = subprocess.Popen([sys.executable, "-c", code], env=_env(), stdout=log, stderr=log)
+    try:
+        deadline = time.monotonic() + 120
+        while not os.path.exists(path):
+            assert time.monotonic() < deadline and srv.poll() is None, (
+                tmp_path / "server.log"
+            ).read_text()
+            time.sleep(0.1)
+        cfg = _config(tmp_path)
+        p = _job(["--config", str(cfg), "validate"], tmp_path, path)
+        _, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
+        want = "CUDA is initialised" if hazard == "cuda" else "stray-worker"
+        assert "the fork server refused this job" in err and want in err, err
+        served = (tmp_path / "server.log").read_text()
+        assert (
+            "refused: " in served and f"--config {cfg} validate" not in served.split("refused")[0]
+        )
+        assert " pid " not in served  # no child was forked
+    finally:
+        prefork.stop(path)
+        srv.kill()
+        srv.wait()
+        log.close()
+
+
+def test_the_preloaded_imports_leave_the_server_safe_to_fork():
+    """What the server imports (torch, Opacus, MLflow, timm) starts no Python thread and no
+    CUDA context: the guard above then never refuses a normal run."""
+    code = (
+        "import importlib\nfrom dpadapter import prefork\n"
+        "for n in prefork.PRELOAD: importlib.import_module(n)\n"
+        "for n in prefork.OPTIONAL_PRELOAD:\n"
+        "    try: importlib.import_module(n)\n"
+        "    except ImportError: pass\n"
+        "print('hazard:', prefork.fork_hazard())"
+    )
+    p = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip().endswith("hazard: None"), p.stdout

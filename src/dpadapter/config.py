@@ -24,6 +24,8 @@ from typing import Any
 
 import yaml
 
+from dpadapter import atomic
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SCHEMA_PATH = REPO_ROOT / "workflow" / "schemas" / "config.schema.yaml"
 
@@ -928,9 +930,7 @@ def write_merged(raw: dict[str, Any], results_dir: str | Path, files: list[str |
         "merged in\n# and --config applied. Written by the workflow when a run starts; "
         "do not edit.\n" + yaml.safe_dump(plain, sort_keys=False, allow_unicode=True)
     )
-    tmp = out.with_suffix(".yaml.tmp")
-    tmp.write_text(text)
-    tmp.replace(out)
+    atomic.write_text(out, text)
     return out
 
 

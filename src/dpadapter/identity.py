@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from dpadapter import atomic
 from dpadapter.config import Config
 
 IDENTITY_FILE = "config-identity.json"
@@ -184,10 +185,7 @@ def record(cfg: Config) -> Path:
         "previous": previous,
         "sections": sections(cfg),
     }
-    p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(payload, indent=1, sort_keys=True) + "\n")
-    os.replace(tmp, p)
+    atomic.write_text(p, json.dumps(payload, indent=1, sort_keys=True) + "\n")
     return p
 
 

@@ -13,17 +13,13 @@ from typing import Any
 
 import torch
 
+from dpadapter import atomic, tracking
 from dpadapter import device as devices
-from dpadapter import tracking
 from dpadapter.config import Config
 
 
 def write_json(path: str | Path, payload: dict[str, Any]) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(payload, indent=2, sort_keys=False, default=float) + "\n")
-    os.replace(tmp, path)
+    atomic.write_text(path, json.dumps(payload, indent=2, sort_keys=False, default=float) + "\n")
 
 
 def seed_everything(seed: int) -> None:

@@ -20,6 +20,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from dpadapter import atomic
+
 SPLITS = ("train", "val", "test")
 
 
@@ -56,10 +58,7 @@ def compute(cfg, task: str, ckpt: Path, out: Path) -> dict:
     for name in SPLITS:
         x, y = getattr(d, name).tensors
         payload[name] = {"x": extract(model, x), "y": y.clone()}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".tmp")
-    torch.save(payload, tmp)
-    tmp.replace(out)
+    atomic.torch_save(payload, out)
     return payload
 
 
