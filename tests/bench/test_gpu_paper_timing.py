@@ -1,9 +1,9 @@
 """bench/gpu_paper_timing.py times DP steps through the pipeline's own per-sample wrapper.
 
 It once handed the config's mode to Opacus' `wrap_model`, which knows no `bk` (the default), and
-crashed before writing anything. Here: the paper config's own mode (bk), on
-the CPU at a tiny scale, writing its JSON (the Opacus modes share the wrapper and run in
-bench/gpu_session.sh).
+crashed before writing anything. Here: the paper config's own mode (bk), on the CPU at a tiny
+scale, writing its JSON (the Opacus modes go through the same `wrap_for_dp`, tested in
+tests/train).
 """
 
 from __future__ import annotations
