@@ -221,13 +221,21 @@ def _torchvision_file(enum_name: str) -> Path:
     return path
 
 
-def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
-    """The tensors of a weights file, whatever wrapper it comes in (never unpickles code)."""
+def read_state_dict(path: Path, mmap: bool = False) -> dict[str, torch.Tensor]:
+    """The tensors of a weights file, whatever wrapper it comes in (never unpickles code).
+
+    `mmap` maps a torch file instead of reading it (the validation wants the shapes only); a
+    file in the legacy format, which cannot be mapped, is read."""
     if path.suffix == ".safetensors":
         from safetensors.torch import load_file
 
         return load_file(str(path), device="cpu")
-    obj = torch.load(path, map_location="cpu", weights_only=True)
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except RuntimeError:
+        if not mmap:
+            raise
+        obj = torch.load(path, map_location="cpu", weights_only=True)
     for key in ("state_dict", "model", "state_dict_ema", "model_ema"):
         if isinstance(obj, dict) and isinstance(obj.get(key), dict) and _all_tensors(obj[key]):
             obj = obj[key]
@@ -257,17 +265,17 @@ def head_prefix(model: nn.Module) -> str:
 def load_backbone_state(model: nn.Module, state: dict[str, torch.Tensor], source: str) -> list[str]:
     """Load everything but the classifier, refusing any other mismatch by name; return the
     classifier keys of `state` that were left out."""
+    from dpadapter.upstream.checks import state_mismatch  # the validation's comparison too
+
     head = head_prefix(model) + "."
     own = model.state_dict()
     dropped = sorted(k for k in state if k.startswith(head))
     keep = {k: v for k, v in state.items() if not k.startswith(head)}
-    unexpected = sorted(set(keep) - set(own))
-    missing = sorted(k for k in own if k not in keep and not k.startswith(head))
-    shapes = [
-        f"{k}: {tuple(v.shape)} in the file, {tuple(own[k].shape)} in the model"
-        for k, v in keep.items()
-        if k in own and tuple(v.shape) != tuple(own[k].shape)
-    ]
+    missing, unexpected, shapes = state_mismatch(
+        {k: tuple(v.shape) for k, v in own.items()},
+        {k: tuple(v.shape) for k, v in state.items()},
+        head,
+    )
     problems = []
     if missing:
         problems.append(f"missing from the weights: {', '.join(missing)}")
