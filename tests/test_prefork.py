@@ -250,3 +250,25 @@ def test_the_preloaded_imports_leave_the_server_safe_to_fork():
     p = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True, text=True)
     assert p.returncode == 0, p.stderr
     assert p.stdout.strip().endswith("hazard: None"), p.stdout
+
+
+def test_a_child_killed_for_memory_says_so(server, tmp_path):
+    """The kernel's OOM killer sends SIGKILL to the training process (the forked child): the
+    job's own process reports why and what to change, with the job's settings, and exits 137."""
+    path, log = server
+    cfg = tmp_path / "tiny.json"
+    raw = {**TINY_RAW, "tracking": {"enabled": False}}
+    raw["finetune"] = {**raw["finetune"], "grad_sample_mode": "hooks", "physical_batch_size": 25}
+    cfg.write_text(json.dumps(raw))
+    out = tmp_path / "out"
+    p = _job(["--config", str(cfg), "warmup", "--out", str(out)], tmp_path, path)
+    deadline = time.monotonic() + 60
+    while f"warmup --out {out}" not in log.read_text():
+        assert time.monotonic() < deadline and p.poll() is None
+        time.sleep(0.05)
+    line = [x for x in log.read_text().splitlines() if f"--out {out}" in x][-1]
+    os.kill(int(line.split("pid ")[1].split(":")[0]), signal.SIGKILL)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 128 + signal.SIGKILL
+    assert "warmup was killed by SIGKILL" in err and "out-of-memory" in err, err
+    assert "grad_sample_mode: hooks" in err and "physical_batch_size: 25" in err

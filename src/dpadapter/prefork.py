@@ -142,11 +142,39 @@ def delegate(argv: list[str]) -> int | None:
                 print("dpadapter: the job's process ended without a status", file=sys.stderr)
                 return 1
             data += chunk
-        return _STATUS.unpack(data)[0]
+        code = _STATUS.unpack(data)[0]
+        if code == 128 + signal.SIGKILL and not pending:
+            print(killed_message(argv), file=sys.stderr, flush=True)
+        return code
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
         conn.close()
+
+
+def killed_message(argv: list[str]) -> str:
+    """Why a job died of SIGKILL that nobody sent it (the kernel's out-of-memory killer, as a
+    rule), and what to change; the settings are read from the job's own config file."""
+    where = ""
+    try:
+        cfg = json.loads(Path(argv[argv.index("--config") + 1]).read_text())
+        ft = cfg.get("finetune", {})
+        where = (
+            f" (finetune.grad_sample_mode: {ft.get('grad_sample_mode', 'bk')}, "
+            f"batch_size: {ft.get('batch_size')}, "
+            f"physical_batch_size: {ft.get('physical_batch_size')})"
+        )
+    except (ValueError, OSError, IndexError):
+        pass
+    i = argv.index("--config") + 2 if "--config" in argv else len(argv)
+    stage = argv[i] if i < len(argv) else "the job"
+    return (
+        f"dpadapter: {stage} was killed by SIGKILL, which nothing in the pipeline sends: most "
+        f"likely the kernel's out-of-memory killer{where}. Per-sample gradients cost the most "
+        "memory: use finetune.grad_sample_mode: bk (no per-example gradients for most layers) "
+        "and a smaller finetune.physical_batch_size (the same logical batch in more passes), or "
+        "give the job more memory (docs/cluster.md: sizing mem_mb)"
+    )
 
 
 def _read_reason(conn: socket.socket) -> str:
