@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from opacus.validators import ModuleValidator
@@ -21,7 +20,7 @@ from dpadapter import device as devices
 from dpadapter.algorithms import ALGORITHMS, DPRunSpec
 from dpadapter.config import Config
 from dpadapter.models.batchnorm import freeze_batchnorm
-from dpadapter.privacy import PrivacyLedger
+from dpadapter.privacy import PrivacyLedger, verify_plan
 from dpadapter.strategies import Schedule, apply_phase
 from dpadapter.train.batching import PAD_LABEL, dp_batches, masked_cross_entropy
 from dpadapter.train.dp_spec import padding
@@ -129,10 +128,7 @@ def dp_fit(
     devices.configure(dev, settings.tf32)
     model.to(dev)
     train = devices.place(train, dev)
-    # every epoch's epsilon is memoised beside the sigma cache: a grid's runs spend alike
-    cal = spec.calibration_cache
-    eps_cache = None if cal is None else Path(cal).with_name("epsilon.json")
-    ledger = PrivacyLedger(spec.delta, spec.accountant, cache=eps_cache)
+    ledger = PrivacyLedger(spec.delta, spec.accountant)
     # The mechanism's noise is drawn on the parameters' device (Opacus needs the generator there).
     noise_gen = devices.generator(dev, 10_000 + seed)
     algo = ALGORITHMS[algo_name](spec, ledger, noise_gen)
@@ -179,6 +175,11 @@ def dp_fit(
         first_epoch = state["epoch"]
         if schedule is not None:
             apply_phase(model, schedule.phase(ledger.steps))
+    # sigma may come from the calibration memo or the resume state: its plan is recomputed by
+    # the accountant, and refused if it overspends, before the first private step
+    verify_plan(
+        algo.planned_history(), spec.delta, spec.accountant, spec.target_epsilon, label or algo_name
+    )
     loss_fn = masked_cross_entropy if pad is not None else nn.functional.cross_entropy
     gsm.train()
     # One line per epoch (and every few minutes within long ones) in the job's log; `val`
