@@ -331,7 +331,7 @@ class DPAlgorithm:
         out = {"algorithm": self.name, "noise_multiplier": self.sigma, **self.params}
         if self.releases_per_step > 1:
             out["release_noise_multiplier"] = self.release_noise_multiplier(self.sigma)
-        # precision, and under fp16 the loss scale and its recomputations
+        # precision, and under fp16 the loss scale's settings (never its data-dependent course)
         return {**out, **self.precision.describe()}
 
 
