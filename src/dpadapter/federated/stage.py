@@ -111,6 +111,7 @@ def mechanism_run(cfg: Config, mechanism: str, noise_multiplier: float) -> Mecha
         lr=mc.lr,
         delta=cfg.privacy.delta if mechanism == GAUSSIAN else 0.0,
         accountant=cfg.privacy.accountant,
+        randomness=cfg.privacy.randomness,
     )
 
 
