@@ -57,18 +57,21 @@ def is_secret(generator: torch.Generator | None) -> bool:
 
 
 # --- draws from the OS ---------------------------------------------------------------------------
-def _bits53(n: int) -> np.ndarray:
-    return (np.frombuffer(os.urandom(8 * n), dtype=np.uint64) >> np.uint64(11)).astype(np.float64)
+def _bits(n: int, k: int) -> np.ndarray:
+    """n integers of k <= 53 bits from `os.urandom`, as float64 (exactly)."""
+    raw = np.frombuffer(os.urandom(8 * n), dtype=np.uint64) >> np.uint64(64 - k)
+    return raw.astype(np.float64)
 
 
 def os_uniform(n: int) -> np.ndarray:
     """n uniforms on [0, 1), each from 53 bits of `os.urandom` (for comparisons with q)."""
-    return _bits53(n) * 2.0**-53
+    return _bits(n, 53) * 2.0**-53
 
 
 def os_uniform_open(n: int) -> np.ndarray:
-    """n uniforms on (0, 1), midpoints of the 2^53 cells: their logarithms are finite."""
-    return (_bits53(n) + 0.5) * 2.0**-53
+    """n uniforms on (0, 1): the midpoints of 2^52 cells, exact in float64, so that neither 0
+    nor 1 occurs and every logarithm taken of them is finite and non-zero."""
+    return (_bits(n, 52) + 0.5) * 2.0**-52
 
 
 def os_normal(n: int) -> np.ndarray:
