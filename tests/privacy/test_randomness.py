@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -20,6 +20,12 @@ from dpadapter.privacy import randomness
 class _Bytes:
     """A stand-in for os.urandom: a fixed byte stream, so that a run's OS draws can be replayed
     (and counted) while everything else stays as it is."""
+
+    def install(self, monkeypatch) -> _Bytes:
+        """The OS's bytes as `privacy.randomness` reads them (other libraries that read the OS,
+        uuid4 at a first import for one, keep the real source and do not shift the stream)."""
+        monkeypatch.setattr(randomness, "os", SimpleNamespace(urandom=self))
+        return self
 
     def __init__(self, seed: int = 0):
         self.rng = np.random.default_rng(seed)
@@ -72,8 +78,7 @@ def test_secret_noise_and_sampling_come_from_the_os_not_the_seed(
     cfg = _secret(tiny_raw)
     runs = []
     for seed in (0, 1):
-        urandom = _Bytes()
-        monkeypatch.setattr(os, "urandom", urandom)
+        urandom = _Bytes().install(monkeypatch)
         runs.append(_fit(cfg, seed, algo=algo))
         assert urandom.calls >= 2 * 4  # a mask and noise per step, at least
     monkeypatch.undo()
@@ -88,8 +93,7 @@ def test_secret_noise_and_sampling_come_from_the_os_not_the_seed(
 def test_seeded_runs_are_unchanged_by_the_os(tiny_cfg, monkeypatch):
     """The default mode never reads the OS for its mechanism: the same seed, the same run."""
     w0, _ = _fit(tiny_cfg, 0)
-    urandom = _Bytes()
-    monkeypatch.setattr(os, "urandom", urandom)
+    urandom = _Bytes().install(monkeypatch)
     w1, _ = _fit(tiny_cfg, 0)
     assert urandom.calls == 0
     for k in w0:
@@ -105,7 +109,7 @@ def test_federated_clients_draw_from_the_os_in_secret_mode(monkeypatch):
     mech = MechanismRun("gaussian", 1.0, 1.0, 0.3, lr=0.1, delta=1e-5, randomness="secret")
     masks = []
     for seed in (0, 1):
-        monkeypatch.setattr(os, "urandom", _Bytes())
+        _Bytes().install(monkeypatch)
         masks.append(Client(0, data, mech, seed=seed).sample()[0])
     assert torch.equal(masks[0], masks[1])  # the OS's bytes decide, not the seed
     seeded = dataclasses.replace(mech, randomness="seeded")
