@@ -272,3 +272,50 @@ def test_a_child_killed_for_memory_says_so(server, tmp_path):
     assert p.returncode == 128 + signal.SIGKILL
     assert "warmup was killed by SIGKILL" in err and "out-of-memory" in err, err
     assert "grad_sample_mode: hooks" in err and "physical_batch_size: 25" in err
+
+
+def _forked_draws(tmp_path: Path, name: str, monkeypatch, seed: int | None = None) -> list:
+    """What a job's global `random` and numpy draw first, run by the server's child code in a
+    process forked from this one (as the server forks: the parent's state, inherited)."""
+    import random
+    import socket
+
+    import numpy as np
+
+    out = tmp_path / name
+
+    def job(argv: list[str]) -> int:
+        if seed is not None:
+            random.seed(seed)
+            np.random.seed(seed)
+        out.write_text(json.dumps([random.random(), float(np.random.random())]))
+        return 0
+
+    monkeypatch.setattr(prefork, "_run", job)
+    parent, child = socket.socketpair()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns (prefork._child ends with os._exit)
+        parent.close()
+        fds = [os.open(os.devnull, os.O_RDWR) for _ in range(3)]
+        prefork._child(child, fds, {"cwd": str(tmp_path), "env": dict(os.environ), "argv": []})
+    child.close()
+    os.waitpid(pid, 0)
+    parent.close()
+    return json.loads(out.read_text())
+
+
+def test_forked_jobs_do_not_share_the_global_random_streams(tmp_path, monkeypatch):
+    """Two jobs forked from one server state draw different numbers from `random` and numpy's
+    global generator, unless the job seeds them itself."""
+    import random
+
+    import numpy as np
+
+    random.seed(1)
+    np.random.seed(1)  # the server's state, which every child inherits
+    a = _forked_draws(tmp_path, "a.json", monkeypatch)
+    b = _forked_draws(tmp_path, "b.json", monkeypatch)
+    assert a[0] != b[0], "random's global state is shared by forked jobs"
+    assert a[1] != b[1], "numpy's global state is shared by forked jobs"
+    seeded = [_forked_draws(tmp_path, f"s{i}.json", monkeypatch, seed=7) for i in range(2)]
+    assert seeded[0] == seeded[1]

@@ -105,6 +105,30 @@ class RobustnessConfig:
 class PrivacyConfig:
     delta: float = 1e-5
     accountant: str = "prv"
+    # Where the DP mechanisms' noise and Poisson masks come from (dpadapter.privacy.randomness):
+    # the job's seed (reproducible research runs) or the OS's cryptographic source (deployments:
+    # a guarantee against whoever reads the config and metrics.json too).
+    randomness: str = "seeded"
+
+    def __post_init__(self) -> None:
+        if self.randomness not in RANDOMNESS:
+            raise ConfigError(
+                f"invalid config:\n  privacy.randomness: {self.randomness!r} is not one of "
+                f"{sorted(RANDOMNESS)}"
+            )
+
+    def randomness_record(self) -> dict[str, str]:
+        """What every job's metrics.json says of where its noise and sampling came from."""
+        return {"mode": self.randomness, "noise_and_sampling": RANDOMNESS[self.randomness]}
+
+
+# privacy.randomness: each mode and what metrics.json says of it
+RANDOMNESS = {
+    "seeded": "torch generators seeded from the job's seed: reproducible, and no DP guarantee "
+    "against anyone who knows the seed",
+    "secret": "drawn at each release from the OS's cryptographic source (os.urandom); no seed "
+    "or generator state exists for them, none is recorded",
+}
 
 
 @dataclass(frozen=True)

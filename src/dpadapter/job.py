@@ -70,6 +70,8 @@ def training_job(
         "stage": stage,
         "wildcards": wildcards,
         "device": devices.describe(dev),
+        # seeded (reproducible) or secret (the OS's source) noise and sampling; docs/privacy.md
+        "randomness": cfg.privacy.randomness_record(),
     }
     devices.reset_peak_memory(dev)
     t0 = time.time()

@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import signal
 import socket
 import struct
@@ -372,6 +373,7 @@ def _child(conn: socket.socket, fds: list[int], message: dict) -> None:
         os.environ.clear()
         os.environ.update(message["env"])
         tempfile.tempdir = None  # chosen again from the job's TMPDIR
+        _reseed_globals()
         sys.argv = [sys.argv[0], *message["argv"]]
         conn.sendall(b"+")
         threading.Thread(target=_watch, args=(conn,), daemon=True).start()
@@ -381,6 +383,17 @@ def _child(conn: socket.socket, fds: list[int], message: dict) -> None:
             conn.sendall(_STATUS.pack(code))
         finally:
             os._exit(code)
+
+
+def _reseed_globals() -> None:
+    """Fresh OS entropy for the global `random` and numpy generators of this job: a child
+    inherits the server's state, so every job would otherwise draw the same numbers from them
+    (CPython reseeds `random` after a fork, numpy does not). A job that wants a fixed stream
+    seeds it itself, as it would in its own process."""
+    random.seed()
+    numpy = sys.modules.get("numpy")  # not imported yet: seeded from the OS when it is
+    if numpy is not None:
+        numpy.random.seed()
 
 
 def _run(argv: list[str]) -> int:
