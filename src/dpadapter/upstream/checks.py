@@ -38,22 +38,6 @@ def timm_name_problem(model: str, at: str) -> str | None:
     return f"{at}: timm has no model {name!r}{hint} (timm.list_models() lists them)"
 
 
-def state_mismatch(
-    own: dict[str, tuple[int, ...]], given: dict[str, tuple[int, ...]], head: str
-) -> tuple[list[str], list[str], list[str]]:
-    """(missing from `given`, not in the model, shapes that differ), the classifier `head.`
-    aside: the one comparison of the validation and of the pretrain job's load."""
-    keep = {k: v for k, v in given.items() if not k.startswith(head)}
-    missing = sorted(k for k in own if k not in keep and not k.startswith(head))
-    unexpected = sorted(set(keep) - set(own))
-    shapes = [
-        f"{k}: {tuple(v)} in the file, {tuple(own[k])} in the model"
-        for k, v in keep.items()
-        if k in own and tuple(v) != tuple(own[k])
-    ]
-    return missing, unexpected, shapes
-
-
 def file_shapes(path: Path) -> dict[str, tuple[int, ...]]:
     """Names and shapes of a weights file's tensors without reading the tensors."""
     if path.suffix == ".safetensors":
@@ -148,6 +132,8 @@ def _weight_problems(backbone, params: dict[str, Any], at: str, head: str) -> li
         return []  # the validation's weight check names the missing file
     except Exception as exc:
         return [f"{at}.weights: cannot read {params['weights']['file']}: {exc}"]
+    from dpadapter.upstream.external import state_mismatch
+
     own = {k: tuple(v.shape) for k, v in backbone.state_dict().items()}
     missing, unexpected, shapes = state_mismatch(own, given, head)
     if not (missing or unexpected or shapes):

@@ -262,11 +262,25 @@ def head_prefix(model: nn.Module) -> str:
     raise ValueError("the model's classifier is not one of its modules")
 
 
+def state_mismatch(
+    own: dict[str, tuple[int, ...]], given: dict[str, tuple[int, ...]], head: str
+) -> tuple[list[str], list[str], list[str]]:
+    """(missing from `given`, not in the model, shapes that differ), the classifier `head.`
+    aside: the one comparison of the validation (upstream.checks) and of the load below."""
+    keep = {k: v for k, v in given.items() if not k.startswith(head)}
+    missing = sorted(k for k in own if k not in keep and not k.startswith(head))
+    unexpected = sorted(set(keep) - set(own))
+    shapes = [
+        f"{k}: {tuple(v)} in the file, {tuple(own[k])} in the model"
+        for k, v in keep.items()
+        if k in own and tuple(v) != tuple(own[k])
+    ]
+    return missing, unexpected, shapes
+
+
 def load_backbone_state(model: nn.Module, state: dict[str, torch.Tensor], source: str) -> list[str]:
     """Load everything but the classifier, refusing any other mismatch by name; return the
     classifier keys of `state` that were left out."""
-    from dpadapter.upstream.checks import state_mismatch  # the validation's comparison too
-
     head = head_prefix(model) + "."
     own = model.state_dict()
     dropped = sorted(k for k in state if k.startswith(head))
