@@ -26,6 +26,7 @@ $(STAMP): requirements.txt pyproject.toml
 	  echo "uv unavailable or failed: installing with pip"; \
 	  $(PIP_INSTALL) -r requirements.txt \
 	    && $(PIP_INSTALL) --no-deps --no-build-isolation -e .; fi
+	$(BIN)/python tools/install_compat_pth.py  # plain `import timm` works in the venv
 	touch $(STAMP)
 
 setup: $(STAMP) data

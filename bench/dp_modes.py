@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import platform
 import statistics
@@ -211,6 +212,14 @@ def _sync(device: torch.device) -> None:
 
 def bench_model(name: str, args: argparse.Namespace, device: torch.device) -> dict:
     s = SETTINGS[name]
+    if name in args.batch:  # the logical batch of this run (its physical one at most that)
+        s = dataclasses.replace(
+            s,
+            batch=args.batch[name],
+            physical={k: min(v, args.batch[name]) for k, v in s.physical.items()},
+        )
+    if args.tiny:  # narrow too: the smoke checks the script, and a deep float64 loop is slow
+        s = dataclasses.replace(s, model=dataclasses.replace(s.model, groups=4, width=8))
     batch = args.tiny_batch if args.tiny else s.batch
     physical = min(batch, args.tiny_batch if args.tiny else s.physical[device.type])
     if batch % physical:
@@ -334,7 +343,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tiny", action="store_true", help="small batches: a smoke run")
     ap.add_argument("--tiny-batch", type=int, default=8)
     ap.add_argument("--out", type=Path, help="write dp_modes.json and dp_modes.md here")
+    ap.add_argument(
+        "--batch",
+        nargs="*",
+        default=[],
+        metavar="MODEL=N",
+        help="another logical batch for a model (e.g. gnresnet10=512)",
+    )
     args = ap.parse_args(argv)
+    try:
+        args.batch = {k: int(v) for k, v in (b.split("=", 1) for b in args.batch)}
+    except ValueError:
+        ap.error(f"--batch takes MODEL=N: {args.batch}")
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     if device.type == "cuda":
@@ -353,16 +373,22 @@ def main(argv: list[str] | None = None) -> int:
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "results": [],
     }
+
+    def save() -> str:  # after every model: a run cut at a deadline keeps the finished ones
+        md = markdown(report)
+        if args.out:
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / "dp_modes.json").write_text(json.dumps(report, indent=2) + "\n")
+            (args.out / "dp_modes.md").write_text(md)
+        return md
+
     for name in args.models:
         res = bench_model(name, args, device)
         report["results"].append(res)
         print(json.dumps(res), flush=True)
-    md = markdown(report)
-    print(md)
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "dp_modes.json").write_text(json.dumps(report, indent=2) + "\n")
-        (args.out / "dp_modes.md").write_text(md)
+        save()
+    report["done"] = True
+    print(save())
     failed = [r["model"] for r in report["results"] if not r.get("check", {"ok": True})["ok"]]
     if failed:
         print(f"clipped-sum check FAILED for {failed}", file=sys.stderr)

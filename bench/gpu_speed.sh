@@ -6,9 +6,11 @@
 #   bench/gpu_speed.sh [OUTDIR]      # default: $OUT, else bench-results/<host>-<UTC time>
 #
 # Environment: PYTHON (default .venv/bin/python, else python3 + .whl/), STEPS (CUDA, default 20),
+# CPU=1 (also the node's CPU part: a minute that says nothing about the GPU, off by default),
 # CPU_STEPS (default 10), CPU_MODELS, CUDA_MODELS, TINY=1 (smoke run of this script),
 # ALLOW_NO_CUDA=1 (CPU part only). Writes OUTDIR/{cuda,cpu}/dp_modes.{json,md}, the logs and
-# nvidia-smi's view of the node. Run nothing else on the node meanwhile.
+# nvidia-smi's view of the node. Run nothing else on the node meanwhile. The lent machine's one
+# command is bench/gpu_session.sh, which runs the CUDA part of this (docs/gpu.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-${OUT:-bench-results/$(hostname)-$(date -u +%Y%m%dT%H%M%SZ)}}"
@@ -28,8 +30,12 @@ elif [ -z "${ALLOW_NO_CUDA:-}" ]; then
   echo "error: torch sees no CUDA device (set ALLOW_NO_CUDA=1 to run the CPU part only)" >&2
   exit 2
 fi
+cuda=1
+"$py" -c "import torch, sys; sys.exit(not torch.cuda.is_available())" || cuda=0
+if [ -n "${CPU:-}" ] || [ "$cuda" = 0 ]; then
 # shellcheck disable=SC2086
 "$py" bench/dp_modes.py --device cpu --steps "${CPU_STEPS:-10}" --warmup 2 "${extra[@]}" \
   --models ${CPU_MODELS:-cnn-gn resnet20-gn} --out "$out/cpu" 2>&1 | tee "$out/cpu.log" || rc=1
+fi
 echo "results in $out"
 exit "$rc"

@@ -23,11 +23,68 @@ from pathlib import Path
 from dpadapter.validation import ConfigError, load
 
 
+def stage_command(config: Path, *args: str) -> list[str]:
+    return [sys.executable, "-m", "dpadapter", "--config", str(config), *args]
+
+
 def stage(config: Path, *args: str) -> None:
     """One stage as its own process, as the Snakemake rule runs it."""
-    cmd = [sys.executable, "-m", "dpadapter", "--config", str(config), *args]
+    cmd = stage_command(config, *args)
     print("+", " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True)
+
+
+def pretrain_args(cfg, upstream: str) -> tuple[Path, list[str]]:
+    """The pre-trained checkpoint's path and the stage arguments that make it."""
+    ckpt = Path(cfg.results_dir) / "pretrain" / upstream / "model.pt"
+    return ckpt, ["pretrain", "--method", upstream, "--out", str(ckpt.parent)]
+
+
+def cell_args(
+    cfg, upstream: str, task: str, algo: str, eps: float, seed: int
+) -> tuple[Path, list[str]]:
+    """A cell's own folder (nothing else writes there) and the finetune stage's arguments."""
+    results = Path(cfg.results_dir)
+    cell = results / "finetune" / upstream / task / algo / f"eps{eps:g}" / f"seed{seed}"
+    ckpt = results / "pretrain" / upstream / "model.pt"
+    args = [
+        *("finetune", "--upstream", upstream, "--task", task, "--algo", algo),
+        *("--eps", f"{eps:g}", "--seed", str(seed), "--ckpt", str(ckpt), "--out", str(cell)),
+    ]
+    return cell, args
+
+
+def summarize(config: Path, cfg, upstream: str) -> tuple[list[Path], str]:
+    """`aggregate` and `reference` over every finished cell, once; the per-cell table."""
+    results = Path(cfg.results_dir)
+    ckpt = results / "pretrain" / upstream / "model.pt"
+    done = sorted((results / "finetune").rglob("metrics.json"))
+    summary = results / "summary"
+    stage(
+        config,
+        "aggregate",
+        *("--metrics", *map(str, done)),
+        *("--pretrain", str(ckpt.parent / "metrics.json")),
+        *("--csv", str(summary / "finetune.csv"), "--md", str(summary / "finetune.md")),
+    )
+    tables = [summary / "finetune.md"]
+    if cfg.reference is not None:
+        stage(
+            config,
+            "reference",
+            *("--finetune-csv", str(summary / "finetune.csv")),
+            *("--csv", str(summary / "reference.csv"), "--md", str(summary / "reference.md")),
+        )
+        tables.append(summary / "reference.md")
+    lines = [HEADER]
+    for p in done:
+        m = json.loads(p.read_text())
+        w = m["wildcards"]
+        lines.append(cell_line(m, paper_cell(cfg, w["algo"], float(w["eps"]))))
+    cells = "\n".join(lines) + "\n"
+    (summary / "table2_cells.md").write_text(cells)
+    tables.append(summary / "table2_cells.md")
+    return tables, cells
 
 
 def paper_cell(cfg, algo: str, eps: float):
@@ -85,51 +142,19 @@ def main() -> int:
             file=sys.stderr,
         )
         return 2
-    results = Path(cfg.results_dir)
-    ckpt = results / "pretrain" / upstream / "model.pt"
+    ckpt, make = pretrain_args(cfg, upstream)
     if not ckpt.is_file():
-        stage(args.config, "pretrain", "--method", upstream, "--out", str(ckpt.parent))
-    cell = results / "finetune" / upstream / task / args.algo / f"eps{args.eps:g}"
-    cell = cell / f"seed{args.seed}"
+        stage(args.config, *make)
+    cell, run = cell_args(cfg, upstream, task, args.algo, args.eps, args.seed)
     if (cell / "metrics.json").is_file():
         print(f"{cell}/metrics.json exists: reusing the finished cell")
     else:
-        stage(
-            args.config,
-            "finetune",
-            *("--upstream", upstream, "--task", task, "--algo", args.algo),
-            *("--eps", f"{args.eps:g}", "--seed", str(args.seed)),
-            *("--ckpt", str(ckpt), "--out", str(cell)),
-        )
-    done = sorted((results / "finetune").rglob("metrics.json"))
-    summary = results / "summary"
-    stage(
-        args.config,
-        "aggregate",
-        *("--metrics", *map(str, done)),
-        *("--pretrain", str(ckpt.parent / "metrics.json")),
-        *("--csv", str(summary / "finetune.csv"), "--md", str(summary / "finetune.md")),
-    )
-    tables = [summary / "finetune.md"]
-    if ref is not None:
-        stage(
-            args.config,
-            "reference",
-            *("--finetune-csv", str(summary / "finetune.csv")),
-            *("--csv", str(summary / "reference.csv"), "--md", str(summary / "reference.md")),
-        )
-        tables.append(summary / "reference.md")
-    lines = [HEADER]
-    for p in done:
-        m = json.loads(p.read_text())
-        w = m["wildcards"]
-        lines.append(cell_line(m, paper_cell(cfg, w["algo"], float(w["eps"]))))
-    cells = "\n".join(lines) + "\n"
-    (summary / "table2_cells.md").write_text(cells)
+        stage(args.config, *run)
+    tables, cells = summarize(args.config, cfg, upstream)
     print(cells)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
-        for t in [*tables, summary / "table2_cells.md"]:
+        for t in tables:
             shutil.copy(t, args.out / t.name)
         # the cell's own record: a lent machine is bare at its next start
         shutil.copy(

@@ -17,6 +17,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 # seconds per file, rounded; the files above ~5 s (a junit report of `make test`, session 10)
 FILE_SECONDS = {
+    "tests/bench/test_gpu_session.py": 110,  # measured alone, session 11 (a whole dry run)
     "tests/cluster/test_slurm.py": 90,
     "tests/workflow/test_snakemake.py": 78,
     "tests/cluster/test_dvc.py": 59,
@@ -31,6 +32,7 @@ FILE_SECONDS = {
     "tests/audit/test_audit_workflow.py": 19,
     "tests/algorithms/test_privacy_suite.py": 19,
     "tests/stages/test_lean_imports.py": 18,
+    "tests/bench/test_gpu_paper_timing.py": 18,  # measured alone, session 11
     "tests/test_prefork.py": 17,
     "tests/test_config_overlay.py": 15,
     "tests/workflow/test_fingerprint.py": 13,

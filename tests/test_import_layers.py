@@ -27,6 +27,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 LAYERS: dict[str, int] = {
     "dpadapter": 0,
     "dpadapter.compat": 0,
+    "dpadapter.atomic": 0,
     "dpadapter.config": 0,
     "dpadapter.param_schema": 0,
     "dpadapter.device": 0,

@@ -103,7 +103,7 @@ def test_a_training_stage_gives_the_same_files_both_ways(server, tmp_path):
     for rel in own:
         a, b = (outs[w] / rel for w in ("own", "forked"))
         if rel.suffix == ".json":
-            drop = {"wall_time_s", "host"}
+            drop = {"wall_time_s", "host", "resources"}
             ja, jb = (
                 {k: v for k, v in json.loads(x.read_text()).items() if k not in drop}
                 for x in (a, b)
@@ -111,6 +111,11 @@ def test_a_training_stage_gives_the_same_files_both_ways(server, tmp_path):
             assert ja == jb, rel
         else:
             assert a.read_bytes() == b.read_bytes(), rel
+    # the training process's own resources, not the waiting client's (~17 MB, ~0 s CPU): what
+    # Snakemake's benchmark files see of a forked job (docs/cluster.md sizes mem_mb from these)
+    for way in ("own", "forked"):
+        res = json.loads((outs[way] / "metrics.json").read_text())["resources"]
+        assert res["max_rss_mib"] > 150 and res["cpu_user_s"] > 0.1, (way, res)
 
 
 def test_bad_input_fails_the_same_way_both_ways(server, tmp_path):
@@ -186,3 +191,131 @@ def test_no_server_or_switched_off_runs_in_process(tmp_path, monkeypatch):
     monkeypatch.setenv(prefork.ENV, str(tmp_path / "no.sock"))
     monkeypatch.setenv("SLURM_JOB_ID", "1")
     assert prefork.delegate(["validate"]) is None
+
+
+_HAZARDS = {
+    # a preloaded module (or a future edit) that initialised CUDA in the server
+    "cuda": "import torch; torch.cuda.is_initialized = lambda: True",
+    # a second Python thread alive in the server at fork time
+    "thread": "import threading, time; threading.Thread("
+    "target=time.sleep, args=(600,), name='stray-worker', daemon=True).start()",
+}
+
+
+@pytest.mark.parametrize("hazard", sorted(_HAZARDS))
+def test_a_server_that_cannot_fork_safely_refuses_by_name(hazard, tmp_path):
+    """The server checks before every fork that CUDA is not initialised in it and that it runs
+    one Python thread; otherwise the job runs in its own process and is told why."""
+    path = str(tmp_path / "jobs.sock")
+    serve = f"from dpadapter import prefork\nprefork.serve({path!r}, {os.getpid()}, 60)"
+    code = f"{_HAZARDS[hazard]}\n{serve}"
+    log = open(tmp_path / "server.log", "wb")  # noqa: SIM115
+    srv = subprocess.Popen([sys.executable, "-c", code], env=_env(), stdout=log, stderr=log)
+    try:
+        deadline = time.monotonic() + 120
+        while not os.path.exists(path):
+            assert time.monotonic() < deadline and srv.poll() is None, (
+                tmp_path / "server.log"
+            ).read_text()
+            time.sleep(0.1)
+        cfg = _config(tmp_path)
+        p = _job(["--config", str(cfg), "validate"], tmp_path, path)
+        _, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
+        want = "CUDA is initialised" if hazard == "cuda" else "stray-worker"
+        assert "the fork server refused this job" in err and want in err, err
+        served = (tmp_path / "server.log").read_text()
+        assert (
+            "refused: " in served and f"--config {cfg} validate" not in served.split("refused")[0]
+        )
+        assert " pid " not in served  # no child was forked
+    finally:
+        prefork.stop(path)
+        srv.kill()
+        srv.wait()
+        log.close()
+
+
+def test_the_preloaded_imports_leave_the_server_safe_to_fork():
+    """What the server imports (torch, Opacus, MLflow, timm) starts no Python thread and no
+    CUDA context: the guard above then never refuses a normal run."""
+    code = (
+        "import importlib\nfrom dpadapter import prefork\n"
+        "for n in prefork.PRELOAD: importlib.import_module(n)\n"
+        "for n in prefork.OPTIONAL_PRELOAD:\n"
+        "    try: importlib.import_module(n)\n"
+        "    except ImportError: pass\n"
+        "print('hazard:', prefork.fork_hazard())"
+    )
+    p = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip().endswith("hazard: None"), p.stdout
+
+
+def test_a_child_killed_for_memory_says_so(server, tmp_path):
+    """The kernel's OOM killer sends SIGKILL to the training process (the forked child): the
+    job's own process reports why and what to change, with the job's settings, and exits 137."""
+    path, log = server
+    cfg = tmp_path / "tiny.json"
+    raw = {**TINY_RAW, "tracking": {"enabled": False}}
+    raw["finetune"] = {**raw["finetune"], "grad_sample_mode": "hooks", "physical_batch_size": 25}
+    cfg.write_text(json.dumps(raw))
+    out = tmp_path / "out"
+    p = _job(["--config", str(cfg), "warmup", "--out", str(out)], tmp_path, path)
+    deadline = time.monotonic() + 60
+    while f"warmup --out {out}" not in log.read_text():
+        assert time.monotonic() < deadline and p.poll() is None
+        time.sleep(0.05)
+    line = [x for x in log.read_text().splitlines() if f"--out {out}" in x][-1]
+    os.kill(int(line.split("pid ")[1].split(":")[0]), signal.SIGKILL)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 128 + signal.SIGKILL
+    assert "warmup was killed by SIGKILL" in err and "out-of-memory" in err, err
+    assert "grad_sample_mode: hooks" in err and "physical_batch_size: 25" in err
+
+
+def _forked_draws(tmp_path: Path, name: str, monkeypatch, seed: int | None = None) -> list:
+    """What a job's global `random` and numpy draw first, run by the server's child code in a
+    process forked from this one (as the server forks: the parent's state, inherited)."""
+    import random
+    import socket
+
+    import numpy as np
+
+    out = tmp_path / name
+
+    def job(argv: list[str]) -> int:
+        if seed is not None:
+            random.seed(seed)
+            np.random.seed(seed)
+        out.write_text(json.dumps([random.random(), float(np.random.random())]))
+        return 0
+
+    monkeypatch.setattr(prefork, "_run", job)
+    parent, child = socket.socketpair()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns (prefork._child ends with os._exit)
+        parent.close()
+        fds = [os.open(os.devnull, os.O_RDWR) for _ in range(3)]
+        prefork._child(child, fds, {"cwd": str(tmp_path), "env": dict(os.environ), "argv": []})
+    child.close()
+    os.waitpid(pid, 0)
+    parent.close()
+    return json.loads(out.read_text())
+
+
+def test_forked_jobs_do_not_share_the_global_random_streams(tmp_path, monkeypatch):
+    """Two jobs forked from one server state draw different numbers from `random` and numpy's
+    global generator, unless the job seeds them itself."""
+    import random
+
+    import numpy as np
+
+    random.seed(1)
+    np.random.seed(1)  # the server's state, which every child inherits
+    a = _forked_draws(tmp_path, "a.json", monkeypatch)
+    b = _forked_draws(tmp_path, "b.json", monkeypatch)
+    assert a[0] != b[0], "random's global state is shared by forked jobs"
+    assert a[1] != b[1], "numpy's global state is shared by forked jobs"
+    seeded = [_forked_draws(tmp_path, f"s{i}.json", monkeypatch, seed=7) for i in range(2)]
+    assert seeded[0] == seeded[1]

@@ -187,9 +187,9 @@ _JOB = textwrap.dedent(
 )
 
 
-def _start_job(tmp_path: Path, env: dict) -> tuple[subprocess.Popen, str]:
+def _start_job(tmp_path: Path, env: dict, cwd: Path | None = None) -> tuple[subprocess.Popen, str]:
     marker = tmp_path / f"run-id-{time.monotonic_ns()}"
-    proc = subprocess.Popen([sys.executable, "-c", _JOB, str(marker)], env=env)
+    proc = subprocess.Popen([sys.executable, "-c", _JOB, str(marker)], env=env, cwd=cwd)
     deadline = time.monotonic() + 120
     while not marker.exists():
         assert proc.poll() is None, "the job died before starting its run"
@@ -207,18 +207,43 @@ def test_killed_jobs_never_leave_a_run_running(tmp_path):
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=60) == 143
     assert client.get_run(run_id).info.status == "FAILED"
-    # SIGKILL cannot be caught: the run stays RUNNING until the next attempt of the job ends it.
+    # SIGKILL cannot be caught: the run stays RUNNING until the next run starts (any job's,
+    # here another attempt), which finds its process gone and ends it KILLED.
     proc, killed = _start_job(tmp_path, env)
     proc.kill()
     proc.wait(timeout=60)
     assert client.get_run(killed).info.status == "RUNNING"
     proc, retry = _start_job(tmp_path, env)
     try:
-        assert client.get_run(killed).info.status == "FAILED"
-        assert client.get_run(retry).info.status == "RUNNING"
+        assert client.get_run(killed).info.status == "KILLED"
+        assert client.get_run(killed).data.tags["dpadapter.ended_by"].startswith("its process")
+        assert client.get_run(retry).info.status == "RUNNING"  # its process is alive
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)
+
+
+def test_make_mlflow_ends_the_runs_of_killed_jobs(tmp_path, monkeypatch, tiny_raw):
+    """No later run needed: opening the UI (`make mlflow`, tracking.main) ends them too."""
+    import yaml
+
+    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlruns.db'}"}
+    client = _client(tmp_path)
+    (tmp_path / "results").mkdir()
+    # run where the config's results are: the experiment's artifacts then live there too
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(Path(__file__).parents[1] / "src"), env.get("PYTHONPATH", "")]
+    )
+    proc, killed = _start_job(tmp_path, env, cwd=tmp_path / "results")
+    proc.kill()
+    proc.wait(timeout=60)
+    assert client.get_run(killed).info.status == "RUNNING"
+    tiny_raw["tracking"] = {"experiment": "kill"}
+    tiny_raw["results_dir"] = str(tmp_path / "results")
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(tiny_raw))
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", env["MLFLOW_TRACKING_URI"])
+    assert tracking.main([str(tmp_path / "c.yaml")]) == 0
+    assert client.get_run(killed).info.status == "KILLED"
 
 
 # --- tracking never stops a job ------------------------------------------------------------------

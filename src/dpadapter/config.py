@@ -24,6 +24,8 @@ from typing import Any
 
 import yaml
 
+from dpadapter import atomic
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SCHEMA_PATH = REPO_ROOT / "workflow" / "schemas" / "config.schema.yaml"
 
@@ -103,6 +105,30 @@ class RobustnessConfig:
 class PrivacyConfig:
     delta: float = 1e-5
     accountant: str = "prv"
+    # Where the DP mechanisms' noise and Poisson masks come from (dpadapter.privacy.randomness):
+    # the job's seed (reproducible research runs) or the OS's cryptographic source (deployments:
+    # a guarantee against whoever reads the config and metrics.json too).
+    randomness: str = "seeded"
+
+    def __post_init__(self) -> None:
+        if self.randomness not in RANDOMNESS:
+            raise ConfigError(
+                f"invalid config:\n  privacy.randomness: {self.randomness!r} is not one of "
+                f"{sorted(RANDOMNESS)}"
+            )
+
+    def randomness_record(self) -> dict[str, str]:
+        """What every job's metrics.json says of where its noise and sampling came from."""
+        return {"mode": self.randomness, "noise_and_sampling": RANDOMNESS[self.randomness]}
+
+
+# privacy.randomness: each mode and what metrics.json says of it
+RANDOMNESS = {
+    "seeded": "torch generators seeded from the job's seed: reproducible, and no DP guarantee "
+    "against anyone who knows the seed",
+    "secret": "drawn at each release from the OS's cryptographic source (os.urandom); no seed "
+    "or generator state exists for them, none is recorded",
+}
 
 
 @dataclass(frozen=True)
@@ -928,9 +954,7 @@ def write_merged(raw: dict[str, Any], results_dir: str | Path, files: list[str |
         "merged in\n# and --config applied. Written by the workflow when a run starts; "
         "do not edit.\n" + yaml.safe_dump(plain, sort_keys=False, allow_unicode=True)
     )
-    tmp = out.with_suffix(".yaml.tmp")
-    tmp.write_text(text)
-    tmp.replace(out)
+    atomic.write_text(out, text)
     return out
 
 

@@ -155,6 +155,11 @@ class Stage:
 
 _FINETUNE_JOB = without("finetune", _FINETUNE_JOB_GRID)
 _FINETUNE = without("finetune", FINETUNE_GRID)
+# Version 2 (results folders begun by this code, dpadapter.identity.fingerprint_version): a
+# fine-tuning job's trigger leaves out `finetune.upstreams` too, so adding an upstream runs only
+# the new jobs. Version 1 folders keep the list in it: their finished jobs were built with it,
+# and Snakemake would rerun every one of them if the value changed.
+CURRENT_VERSION = 2
 _AUDIT = without("audit", AUDIT_GRID)
 _FEDERATED = without("federated", FEDERATED_GRID, nested=FEDERATED_MECHANISM_GRID)
 
@@ -192,17 +197,24 @@ STAGES: dict[str, Stage] = {
 }
 
 
+_FINETUNE_V2 = Stage(STAGES["finetune"].sections, ((_FINETUNE, algo_params, task),))
+
+
 def _json(value: Any) -> str:
     return json.dumps(value, sort_keys=True, default=str)
 
 
-def stage_fingerprint(config: Mapping[str, Any], stage: str, wildcards: Any = None) -> str:
+def stage_fingerprint(
+    config: Mapping[str, Any], stage: str, wildcards: Any = None, version: int = 1
+) -> str:
     """The `fp` param of a `stage` job: it changes exactly when config the job reads changes.
 
     `wildcards`: the job's (Snakemake's Wildcards or a dict); stages whose parts read none
-    (warmup) take None.
+    (warmup) take None. `version`: the results folder's (`CURRENT_VERSION` for a new one).
     """
     spec = STAGES[stage]
+    if version >= 2 and stage == "finetune":
+        spec = _FINETUNE_V2
     whole = _json({k: config.get(k) for k in spec.sections})
     out = hashlib.sha256(whole.encode()).hexdigest()[:16]
     for chunk in spec.parts:

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from dpadapter import atomic
 from dpadapter.config import Config
 
 IDENTITY_FILE = "config-identity.json"
@@ -120,12 +121,53 @@ def _same_but_new_defaults(key: str, old: Any, new: Any, at_default: set[str]) -
     return True
 
 
+# Keys that only say which jobs exist: growing or shrinking them adds or leaves out jobs and
+# overwrites none (each job's own settings are in its rerun trigger, dpadapter.fingerprint).
+_GRID_KEYS = (
+    "pretrain.upstreams",
+    "finetune.algorithms",
+    "finetune.epsilons",
+    "finetune.seeds",
+    "finetune.upstreams",
+    "finetune.extra_grids",
+    "hpo.seeds",
+    *(f"audit.{k}" for k in ("algorithms", "epsilons", "federated")),
+    *(f"federated.{k}" for k in ("upstreams", "strategies", "mechanisms", "seeds", "sweep_seeds")),
+)
+# Dicts of named entries (a task, an algorithm's or a method's params, an external backbone): an
+# entry added or removed is the grid growing or shrinking; an entry's settings changing is not.
+_ENTRY_DICTS = (
+    "tasks",
+    "finetune.algo_params",
+    "pretrain.upstream_params",
+    "pretrain.external_upstreams",
+)
+
+
+def _grid_only(key: str, lo: dict, ln: dict) -> bool:
+    """Whether `key` differs only because the grid grew or shrank."""
+    if any(key == g or key.startswith(g + ".") for g in _GRID_KEYS):
+        return True
+    for d in _ENTRY_DICTS:
+        if key.startswith(d + "."):
+            entry = d + "." + key[len(d) + 1 :].split(".", 1)[0]
+            in_old = any(k == entry or k.startswith(entry + ".") for k in lo)
+            in_new = any(k == entry or k.startswith(entry + ".") for k in ln)
+            return in_old != in_new
+    return False
+
+
 def _changed(stored: dict, cfg: Config) -> list[str]:
     """Keys whose values differ, but for an option the stored identity predates: a key the
-    code added since, at its default (defaults keep what older code did), is no change."""
+    code added since, at its default (defaults keep what older code did), is no change; nor
+    is the grid growing or shrinking (`_GRID_KEYS`, an entry added to `_ENTRY_DICTS`)."""
     lo, ln = _leaves(stored.get("sections", {})), _leaves(sections(cfg))
     missing = "(unset)"
-    keys = [k for k in set(lo) | set(ln) if lo.get(k, missing) != ln.get(k, missing)]
+    keys = [
+        k
+        for k in set(lo) | set(ln)
+        if lo.get(k, missing) != ln.get(k, missing) and not _grid_only(k, lo, ln)
+    ]
     at_default = _defaults(cfg)
     return sorted(
         k
@@ -166,6 +208,19 @@ def check(cfg: Config) -> str | None:
     )
 
 
+def fingerprint_version(cfg: Config) -> int:
+    """The rerun-trigger version of `cfg.results_dir` (dpadapter.fingerprint): what its
+    identity records, else 1 for a folder that already holds results (built by older code),
+    else the current one (a new folder)."""
+    from dpadapter.fingerprint import CURRENT_VERSION
+
+    stored = read(cfg.results_dir)
+    if stored is not None:
+        return int(stored.get("fingerprints", 1))
+    finetune = Path(cfg.results_dir) / "finetune"
+    return 1 if finetune.is_dir() and any(finetune.rglob("metrics.json")) else CURRENT_VERSION
+
+
 def overwrite_allowed() -> bool:
     return os.environ.get(OVERWRITE_ENV, "").strip().lower() in {"1", "true", "yes"}
 
@@ -179,15 +234,13 @@ def record(cfg: Config) -> Path:
     if stored.get("hash") and stored["hash"] != h:
         previous.append({"hash": stored["hash"], "written": stored.get("written")})
     payload = {
+        "fingerprints": fingerprint_version(cfg),  # before this write: a new folder's is current
         "hash": h,
         "written": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "previous": previous,
         "sections": sections(cfg),
     }
-    p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(payload, indent=1, sort_keys=True) + "\n")
-    os.replace(tmp, p)
+    atomic.write_text(p, json.dumps(payload, indent=1, sort_keys=True) + "\n")
     return p
 
 

@@ -13,17 +13,30 @@ from typing import Any
 
 import torch
 
+from dpadapter import atomic, tracking
 from dpadapter import device as devices
-from dpadapter import tracking
 from dpadapter.config import Config
 
 
 def write_json(path: str | Path, payload: dict[str, Any]) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(payload, indent=2, sort_keys=False, default=float) + "\n")
-    os.replace(tmp, path)
+    atomic.write_text(path, json.dumps(payload, indent=2, sort_keys=False, default=float) + "\n")
+
+
+def process_resources() -> dict[str, float]:
+    """The training process's own peak memory and CPU time, whatever launched it.
+
+    Snakemake's benchmark files measure the command it started: for a job forked from the
+    prefork server that is the waiting client (17 MB, 0.04 s CPU), useless for sizing Slurm's
+    `mem_mb`. Read inside the process that trains (a forked child counts from its fork), these
+    are what the job used; `device.peak_memory_mib` is its GPU peak."""
+    import resource
+
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return {
+        "max_rss_mib": round(r.ru_maxrss / 1024, 1),  # KiB on Linux
+        "cpu_user_s": round(r.ru_utime, 2),
+        "cpu_system_s": round(r.ru_stime, 2),
+    }
 
 
 def seed_everything(seed: int) -> None:
@@ -57,6 +70,8 @@ def training_job(
         "stage": stage,
         "wildcards": wildcards,
         "device": devices.describe(dev),
+        # seeded (reproducible) or secret (the OS's source) noise and sampling; docs/privacy.md
+        "randomness": cfg.privacy.randomness_record(),
     }
     devices.reset_peak_memory(dev)
     t0 = time.time()
@@ -76,10 +91,11 @@ def training_job(
         yield run, metrics
         metrics["wall_time_s"] = round(time.time() - t0, 2)
         metrics["device"]["peak_memory_mib"] = devices.peak_memory_mib(dev)
+        metrics["resources"] = process_resources()
         metrics["host"] = platform.node()
         path = out_dir / "metrics.json"
         write_json(path, metrics)
-        run.log_metrics({"wall_time_s": metrics["wall_time_s"]})
+        run.log_metrics({"wall_time_s": metrics["wall_time_s"], **metrics["resources"]})
         if metrics["device"]["peak_memory_mib"] is not None:
             run.log_metrics({"peak_gpu_memory_mib": metrics["device"]["peak_memory_mib"]})
         run.log_new(*tracking.dp_summary(metrics))

@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import signal
 import socket
 import struct
@@ -114,7 +115,17 @@ def delegate(argv: list[str]) -> int | None:
         conn.connect(path)
         message = {"argv": argv, "cwd": os.getcwd(), "env": dict(os.environ), **_identity()}
         socket.send_fds(conn, [json.dumps(message).encode()], [0, 1, 2])
-        accepted = conn.recv(1) == b"+"  # else refused: another interpreter or package
+        answer = conn.recv(1)
+        accepted = answer == b"+"  # else refused: another interpreter or package, or a hazard
+        if answer == b"-":
+            reason = _read_reason(conn)
+            if reason:
+                print(
+                    f"dpadapter: the fork server refused this job ({reason}); "
+                    "it runs in its own process",
+                    file=sys.stderr,
+                    flush=True,
+                )
     except OSError:  # no server (gone, never started): this process runs the job
         accepted = False
     if not accepted:
@@ -132,11 +143,49 @@ def delegate(argv: list[str]) -> int | None:
                 print("dpadapter: the job's process ended without a status", file=sys.stderr)
                 return 1
             data += chunk
-        return _STATUS.unpack(data)[0]
+        code = _STATUS.unpack(data)[0]
+        if code == 128 + signal.SIGKILL and not pending:
+            print(killed_message(argv), file=sys.stderr, flush=True)
+        return code
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
         conn.close()
+
+
+def killed_message(argv: list[str]) -> str:
+    """Why a job died of SIGKILL that nobody sent it (the kernel's out-of-memory killer, as a
+    rule), and what to change; the settings are read from the job's own config file."""
+    where = ""
+    try:
+        cfg = json.loads(Path(argv[argv.index("--config") + 1]).read_text())
+        ft = cfg.get("finetune", {})
+        where = (
+            f" (finetune.grad_sample_mode: {ft.get('grad_sample_mode', 'bk')}, "
+            f"batch_size: {ft.get('batch_size')}, "
+            f"physical_batch_size: {ft.get('physical_batch_size')})"
+        )
+    except (ValueError, OSError, IndexError):
+        pass
+    i = argv.index("--config") + 2 if "--config" in argv else len(argv)
+    stage = argv[i] if i < len(argv) else "the job"
+    return (
+        f"dpadapter: {stage} was killed by SIGKILL, which nothing in the pipeline sends: most "
+        f"likely the kernel's out-of-memory killer{where}. Per-sample gradients cost the most "
+        "memory: use finetune.grad_sample_mode: bk (no per-example gradients for most layers) "
+        "and a smaller finetune.physical_batch_size (the same logical batch in more passes), or "
+        "give the job more memory (docs/cluster.md: sizing mem_mb)"
+    )
+
+
+def _read_reason(conn: socket.socket) -> str:
+    """What the server said after refusing (empty for an identity mismatch, which is silent)."""
+    conn.settimeout(5.0)
+    data = b""
+    with contextlib.suppress(OSError):
+        while chunk := conn.recv(4096):
+            data += chunk
+    return data.decode(errors="replace").strip()
 
 
 def _wait_while_starting(path: str) -> None:
@@ -196,6 +245,11 @@ def _serve(path: str, parent: int, idle_seconds: float) -> None:
     with contextlib.suppress(OSError):
         os.unlink(path + STARTING)
     listener.settimeout(1.0)
+    print(
+        f"{time.strftime('%H:%M:%S')} serving at {path}: {_native_threads()} threads "
+        f"(1 Python thread), CUDA initialised: {_cuda_initialised()}",
+        flush=True,
+    )
     children: dict[int, socket.socket] = {}
     last = time.monotonic()
     try:
@@ -215,10 +269,14 @@ def _serve(path: str, parent: int, idle_seconds: float) -> None:
             except (OSError, ValueError):
                 conn.close()
                 continue
-            if len(fds) != 3 or any(message.get(k) != v for k, v in me.items()):
+            hazard = None if len(fds) != 3 else fork_hazard()
+            if len(fds) != 3 or any(message.get(k) != v for k, v in me.items()) or hazard:
                 for fd in fds:
                     os.close(fd)
-                conn.sendall(b"-")
+                if hazard:
+                    print(f"{time.strftime('%H:%M:%S')} refused: {hazard}", flush=True)
+                with contextlib.suppress(OSError):
+                    conn.sendall(b"-" + (hazard or "").encode())
                 conn.close()
                 continue
             pid = os.fork()
@@ -234,6 +292,42 @@ def _serve(path: str, parent: int, idle_seconds: float) -> None:
     finally:
         listener.close()
         stop(path)
+
+
+def fork_hazard() -> str | None:
+    """Why forking now would give a child a broken process, or None when it is safe.
+
+    A CUDA context does not survive fork (the child's first CUDA call fails or hangs), and
+    `fork` copies only the calling thread: a lock held by any other Python thread at that
+    moment stays held for ever in the child. The server imports torch but never runs an
+    operation; this checks that nothing (a preloaded module, a future edit) broke either
+    promise before every fork. Native threads that libraries start at import (torch's and
+    jemalloc's idle helpers, counted in the log line below) hold no lock a job takes."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        return (
+            f"CUDA is initialised in the fork server (pid {os.getpid()}); a forked job could "
+            "not use the GPU. Nothing the server imports may touch CUDA (dpadapter.prefork)"
+        )
+    others = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
+    if others:
+        return (
+            f"the fork server runs {len(others) + 1} Python threads ({', '.join(others)}), "
+            "and fork copies only one; it must stay single-threaded (dpadapter.prefork)"
+        )
+    return None
+
+
+def _cuda_initialised() -> bool:
+    torch = sys.modules.get("torch")
+    return bool(torch is not None and torch.cuda.is_initialized())
+
+
+def _native_threads() -> int:
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return -1
 
 
 def _alive(pid: int) -> bool:
@@ -279,6 +373,7 @@ def _child(conn: socket.socket, fds: list[int], message: dict) -> None:
         os.environ.clear()
         os.environ.update(message["env"])
         tempfile.tempdir = None  # chosen again from the job's TMPDIR
+        _reseed_globals()
         sys.argv = [sys.argv[0], *message["argv"]]
         conn.sendall(b"+")
         threading.Thread(target=_watch, args=(conn,), daemon=True).start()
@@ -288,6 +383,17 @@ def _child(conn: socket.socket, fds: list[int], message: dict) -> None:
             conn.sendall(_STATUS.pack(code))
         finally:
             os._exit(code)
+
+
+def _reseed_globals() -> None:
+    """Fresh OS entropy for the global `random` and numpy generators of this job: a child
+    inherits the server's state, so every job would otherwise draw the same numbers from them
+    (CPython reseeds `random` after a fork, numpy does not). A job that wants a fixed stream
+    seeds it itself, as it would in its own process."""
+    random.seed()
+    numpy = sys.modules.get("numpy")  # not imported yet: seeded from the OS when it is
+    if numpy is not None:
+        numpy.random.seed()
 
 
 def _run(argv: list[str]) -> int:

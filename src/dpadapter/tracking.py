@@ -509,6 +509,47 @@ def end_stale_runs(experiment_id: str, job_key: str, keep: str | None = None) ->
     return ended
 
 
+PID_TAG, HOST_TAG = "dpadapter.pid", "dpadapter.host"
+
+
+def _process_gone(pid: str | None) -> bool:
+    """Whether the job process `pid` of this host is gone (a reused pid that is no dpadapter
+    process counts as gone)."""
+    try:
+        if int(pid) == os.getpid():
+            return False  # this process (a parent run it keeps open, e.g. an HPO plan's)
+        cmdline = Path(f"/proc/{int(pid)}/cmdline").read_bytes()
+    except (TypeError, ValueError):
+        return False  # no pid recorded: cannot tell
+    except OSError:
+        return True
+    return b"dpadapter" not in cmdline
+
+
+def end_dead_runs(experiment_id: str) -> list[str]:
+    """End KILLED every job run of this host left RUNNING by a process that is gone.
+
+    SIGKILL (the out-of-memory killer, `kill -9`, a node's cgroup) gives a job no chance to
+    end its run, and its next attempt may never come; this runs before every new run and
+    when `make mlflow` opens the UI, so a killed job shows as KILLED, not as still running."""
+    import mlflow
+
+    client = mlflow.MlflowClient()
+    host = socket.gethostname()
+    running = client.search_runs(
+        [experiment_id],
+        filter_string=f"attributes.status = 'RUNNING' and tags.`{HOST_TAG}` = {_quoted(host)}",
+        max_results=1000,
+    )
+    ended = []
+    for r in running:
+        if _process_gone(r.data.tags.get(PID_TAG)):
+            client.set_tag(r.info.run_id, "dpadapter.ended_by", "its process was gone (killed)")
+            client.set_terminated(r.info.run_id, status="KILLED")
+            ended.append(r.info.run_id)
+    return ended
+
+
 def _open(
     cfg: TrackingConfig,
     exp_id: str,
@@ -528,11 +569,14 @@ def _open(
             mlflow.MlflowClient().get_run(run_id)
         except MlflowException:  # resume state from another store, or from an untracked attempt
             run_id = None
+    end_dead_runs(exp_id)
+    me = {PID_TAG: str(os.getpid()), HOST_TAG: socket.gethostname()}
     if run_id is not None:
         run = mlflow.start_run(run_id=run_id)
         end_stale_runs(exp_id, run.data.tags.get(JOB_TAG, run_name), keep=run_id)
+        mlflow.set_tags(me)  # the resumed run's process is this one now
         return run
-    tags = {JOB_TAG: run_name, **tags}
+    tags = {JOB_TAG: run_name, **tags, **me}
     if isinstance(parent, tuple):
         # Not `stage`: a filter on it finds the jobs of a stage, not their group.
         group_tags = {k: v for k, v in tags.items() if k in ("config", "results_dir")}
@@ -654,6 +698,9 @@ def main(argv: list[str] | None = None) -> int:
     except TrackingError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    ended = end_dead_runs(exp_id)
+    if ended:
+        print(f"ended KILLED: {len(ended)} run(s) whose job process was gone")
     url = runs_url(base, exp_id)
     print(f"store: {store}")
     print(f"runs:  {url}", flush=True)

@@ -109,6 +109,8 @@ def validate(raw: dict[str, Any], check_files: bool = False) -> Config:
     if check_files:
         problems += file_problems(cfg)
         problems += weight_problems(cfg)
+    if not problems:  # the backbone is built (on the meta device) only from a sound config
+        problems += _backbone_problems(cfg, check_files)
     if problems:
         raise ConfigError("invalid config:\n" + "\n".join(f"  {p}" for p in problems))
     return cfg
@@ -345,6 +347,16 @@ def _federated_problems(cfg: Config) -> list[str]:
         if f.ut_t1 == "rule" and (m - 1) * max(1, t // (2 * m)) > t - 1:
             out.append(f"federated.estimate_points: {m} points do not fit in {t} rounds")
     return out
+
+
+def _backbone_problems(cfg: Config, check_files: bool) -> list[str]:
+    """timm names, input sizes and weights files of the backbones (the upstream's own checks)."""
+    external = cfg.external_upstreams or any(n.split("+")[0] == "external" for n in cfg.upstreams)
+    if not cfg.model.name.startswith("timm:") and not external:
+        return []  # nothing from timm: no torch import at parse
+    from dpadapter.upstream.checks import external_problems
+
+    return external_problems(cfg, check_files)
 
 
 def _external_problems(cfg: Config) -> list[str]:

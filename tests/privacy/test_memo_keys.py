@@ -1,6 +1,6 @@
-"""The accountant memo (`privacy.memo`): a repeat of every input hits, in this process and in
+"""The calibration memo (`privacy.memo`): a repeat of every input hits, in this process and in
 another job's, and a change of any single input misses (a key that left one out would hand a
-run another run's noise or epsilon)."""
+run another run's noise); epsilon is never memoised."""
 
 from __future__ import annotations
 
@@ -67,58 +67,28 @@ def test_sigma_repeats_hit_and_every_changed_input_misses(tmp_path, counted, mon
     assert len(json.loads(cache.read_text())) == len(SIGMA_CHANGES) + 3
 
 
-HISTORY = [Segment(1.1, 0.1, 10), Segment(1.2, 0.1, 10)]
-
-
-@pytest.mark.parametrize(
-    "history, delta, accountant",
-    [
-        ([Segment(1.1000001, 0.1, 10), Segment(1.2, 0.1, 10)], 1e-5, "prv"),
-        ([Segment(1.1, 0.1000001, 10), Segment(1.2, 0.1, 10)], 1e-5, "prv"),
-        ([Segment(1.1, 0.1, 11), Segment(1.2, 0.1, 10)], 1e-5, "prv"),
-        ([Segment(1.2, 0.1, 10), Segment(1.1, 0.1, 10)], 1e-5, "prv"),  # order
-        ([Segment(1.1, 0.1, 10)], 1e-5, "prv"),
-        (HISTORY, 1.0000001e-5, "prv"),
-        (HISTORY, 1e-5, "rdp"),
-    ],
-)
-def test_epsilon_repeats_hit_and_every_changed_input_misses(
-    tmp_path, counted, history, delta, accountant
-):
-    cache = tmp_path / "epsilon.json"
-    first = epsilon_from_history(HISTORY, 1e-5, "prv", cache)
-    assert epsilon_from_history(list(HISTORY), 1e-5, "prv", cache) == first
-    memo.clear_memory()
-    assert epsilon_from_history(list(HISTORY), 1e-5, "prv", cache) == first
-    assert len(counted) == 1
-    assert epsilon_from_history(history, delta, accountant, cache) != first
-    assert len(counted) == 2
-
-
-def test_the_ledger_memoises_each_epoch_and_no_cache_always_computes(tmp_path, counted):
-    cache = tmp_path / "epsilon.json"
-    a = PrivacyLedger(1e-5, "prv", cache=cache)
-    b = PrivacyLedger(1e-5, "prv", cache=cache)  # another seed of the same grid cell
+def test_epsilon_is_never_memoised(counted):
+    """Every epsilon is the accountant's, each time it is asked (the memo plans sigma only)."""
+    a = PrivacyLedger(1e-5, "prv")
+    b = PrivacyLedger(1e-5, "prv")  # another seed of the same grid cell
     for _ in range(3):
         a.record(1.1, 0.1, 10)
         b.record(1.1, 0.1, 10)
-        assert a.epsilon() == b.epsilon()
-    assert len(counted) == 3  # one per epoch, not per run
-    off = PrivacyLedger(1e-5, "prv")
-    off.record(1.1, 0.1, 10)
-    off.epsilon(), off.epsilon()
-    assert len(counted) == 5
+        a.epsilon(), b.epsilon()
+    assert len(counted) == 6
+    history = [Segment(1.1, 0.1, 10)]
+    epsilon_from_history(history, 1e-5), epsilon_from_history(history, 1e-5)
+    assert len(counted) == 8
 
 
 def test_real_values_round_trip_exactly(tmp_path):
-    """What the file returns is the accountant's float, bit for bit."""
+    """What the file returns is the calibration's float, bit for bit."""
     memo.clear_memory()
-    cache = tmp_path / "epsilon.json"
-    history = [Segment(1.3, 0.05, 40)]
-    want = epsilon_from_history(history, 1e-5, "rdp")
-    assert epsilon_from_history(history, 1e-5, "rdp", cache) == want
+    cache = tmp_path / "sigma.json"
+    want = calibrate_sigma(2.0, 1e-5, 0.05, 40, "rdp")
+    assert calibrate_sigma(2.0, 1e-5, 0.05, 40, "rdp", cache) == want
     memo.clear_memory()
-    assert epsilon_from_history(history, 1e-5, "rdp", cache) == want
+    assert calibrate_sigma(2.0, 1e-5, 0.05, 40, "rdp", cache) == want
     memo.clear_memory()
 
 

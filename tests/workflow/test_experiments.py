@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -40,7 +41,8 @@ def test_identity_names_the_sections_that_differ(tiny_raw, tmp_path):
     assert config_hash(b) != config_hash(a)
     msg = check(b)
     assert msg is not None
-    assert "Sections that differ: finetune, pretrain" in msg
+    # pretrain.methods only shrank the grid (test_a_grown_grid_is_the_same_experiment)
+    assert "Sections that differ: finetune\n" in msg
     assert "finetune.lr: 0.5 -> 0.123" in msg and OVERWRITE_ENV in msg and "results_dir" in msg
     record(b)
     stored = json.loads((tmp_path / "res" / IDENTITY_FILE).read_text())
@@ -131,3 +133,70 @@ def test_records_in_a_list_that_gained_a_field_at_its_default_are_unchanged():
     assert not _same_but_new_defaults("reference.cells", old, new, set())  # set on purpose
     changed = [{"algorithm": "dpsgd", "mean": 81.0, "task": None}]
     assert not _same_but_new_defaults("reference.cells", old, changed, at_default)
+
+
+def test_a_grown_grid_is_the_same_experiment(tiny_raw, tmp_path):
+    """Adding an upstream, task, algorithm, epsilon or seed adds jobs and overwrites none: no
+    warning, no DPADAPTER_ALLOW_OVERWRITE; changing a setting (a task's size) still warns."""
+    tiny_raw["results_dir"] = str(tmp_path / "res")
+    record(from_dict(tiny_raw))
+    grown = json.loads(json.dumps(tiny_raw))
+    grown["pretrain"]["methods"] = ["scratch", "standard", "sam"]
+    grown["finetune"].update(
+        algorithms=["dpsgd", "dpsat"],
+        epsilons=[1, 4, 8],
+        seeds=[0, 1],
+        upstreams=["scratch", "sam"],
+    )
+    grown["finetune"]["algo_params"] = {"dpsat": {"rho": 0.1}}
+    grown["tasks"]["syn-more"] = dict(tiny_raw["tasks"]["syn-same"])
+    assert check(from_dict(grown)) is None
+    grown["tasks"]["syn-same"]["n_train"] = 123
+    msg = check(from_dict(grown))
+    assert msg is not None and "tasks.syn-same.n_train: 300 -> 123" in msg
+
+
+def test_the_rerun_trigger_version_of_a_folder(tiny_raw, tmp_path):
+    from dpadapter.fingerprint import CURRENT_VERSION
+    from dpadapter.identity import fingerprint_version
+
+    tiny_raw["results_dir"] = str(tmp_path / "new")
+    cfg = from_dict(tiny_raw)
+    assert fingerprint_version(cfg) == CURRENT_VERSION == 2
+    record(cfg)
+    assert json.loads((tmp_path / "new" / IDENTITY_FILE).read_text())["fingerprints"] == 2
+    # a folder of finished jobs built before the version existed (no identity, or one without)
+    tiny_raw["results_dir"] = str(tmp_path / "old")
+    old = from_dict(tiny_raw)
+    done = tmp_path / "old" / "finetune" / "scratch" / "syn-same" / "dpsgd" / "eps1" / "seed0"
+    done.mkdir(parents=True)
+    (done / "metrics.json").write_text("{}")
+    assert fingerprint_version(old) == 1
+    record(old)
+    assert fingerprint_version(old) == 1  # kept for good
+
+
+def test_growing_the_grid_plans_only_the_new_jobs(tiny_raw, tmp_path):
+    """Snakemake end to end: after a finished run, an added upstream (in the explicit
+    finetune.upstreams list) and epsilon plan only the new fine-tuning jobs, with no warning."""
+    wd = tmp_path
+    tiny_raw["tasks"] = {"syn-same": tiny_raw["tasks"]["syn-same"]}
+    tiny_raw["finetune"].update(upstreams=["scratch"], epsilons=[1], epochs=1)
+    tiny_raw["tracking"] = {"enabled": False}
+    (wd / "config.yaml").write_text(yaml.safe_dump(tiny_raw))
+    target = "results/finetune/scratch/syn-same/dpsgd/eps1/seed0/metrics.json"
+    r = _snakemake(wd, target)
+    assert r.returncode == 0, r.stderr[-3000:]
+    tiny_raw["finetune"].update(upstreams=["scratch", "standard"], epsilons=[1, 4])
+    (wd / "config.yaml").write_text(yaml.safe_dump(tiny_raw))
+    grown = [
+        f"results/finetune/{u}/syn-same/dpsgd/eps{e}/seed0/metrics.json"
+        for u in ("scratch", "standard")
+        for e in (1, 4)
+    ]
+    r = _snakemake(wd, "-n", *grown)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = r.stdout + r.stderr
+    assert "another config" not in out
+    planned = re.findall(r"output: (results/finetune/\S+/metrics\.json)", out)
+    assert sorted(planned) == sorted(grown[1:]), planned  # scratch at eps 1 is not rerun

@@ -272,3 +272,26 @@ def test_algo_params_for_reruns_only_the_jobs_it_applies_to():
             config, "finetune", wc
         )
     assert same == {"dpadapter": False, "sam": False, "standard": True}
+
+
+def test_a_new_folder_reruns_no_finetune_job_when_an_upstream_is_added():
+    """Version 2 (a results folder begun by this code) leaves `finetune.upstreams` out of a
+    fine-tuning job's trigger; version 1 (a folder built before) keeps it, as its finished jobs
+    were built with it, so they are carried over, not rerun."""
+    from dpadapter.fingerprint import CURRENT_VERSION
+
+    config = _load("config.yaml")
+    grown = copy.deepcopy(config)
+    grown["finetune"]["upstreams"] = [*config["finetune"]["upstreams"], "control"]
+    for wc in _jobs(config):
+        new = [stage_fingerprint(c, "finetune", wc, CURRENT_VERSION) for c in (config, grown)]
+        assert new[0] == new[1], wc
+        assert stage_fingerprint(config, "finetune", wc) == OLD["finetune"](config, wc)
+        assert stage_fingerprint(grown, "finetune", wc) != stage_fingerprint(config, "finetune", wc)
+    # a setting still reruns under version 2
+    changed = copy.deepcopy(config)
+    changed["finetune"]["lr"] = 0.123
+    wc = _jobs(config)[0]
+    assert stage_fingerprint(changed, "finetune", wc, 2) != stage_fingerprint(
+        config, "finetune", wc, 2
+    )

@@ -54,6 +54,9 @@ TASKS = list(CFG.grid_tasks())  # tasks with `grids: false` are for hpo/federate
 # before anything is scheduled when it holds another config's; a real run (onstart below, never
 # a dry run) refuses then unless DPADAPTER_ALLOW_OVERWRITE=1, else records this config.
 _IDENTITY_WARNING = _identity.check(CFG)
+# The folder's rerun-trigger version (dpadapter.fingerprint.CURRENT_VERSION for a new one): a
+# folder built by older code keeps the triggers its finished jobs were built with.
+FP_VERSION = _identity.fingerprint_version(CFG)
 if _IDENTITY_WARNING:
     print(f"warning: {_IDENTITY_WARNING}", file=sys.stderr)
 

@@ -38,7 +38,7 @@ from torch import nn
 
 from dpadapter.device import Place
 from dpadapter.param_schema import param_errors, params_object
-from dpadapter.privacy import PrivacyLedger, calibrate_sigma
+from dpadapter.privacy import PrivacyLedger, Segment, calibrate_sigma
 from dpadapter.train.per_sample.precision import Precision
 
 ALGORITHMS: dict[str, type[DPAlgorithm]] = {}
@@ -191,6 +191,18 @@ class DPAlgorithm:
         """Accounted sigma of the steps of `epoch`."""
         return self.sigma
 
+    def planned_history(self) -> list[Segment]:
+        """The releases a run of the spec records if it runs to its end, as the ledger merges
+        them: what the calibration promised to keep within the target, and what `dp_fit`
+        verifies before the first step. A partial last epoch (a step budget) is cut short."""
+        s = self.spec
+        plan = PrivacyLedger(s.delta, s.accountant)
+        steps, per_epoch = s.total_steps, s.steps_per_epoch
+        for epoch in range(math.ceil(steps / per_epoch)):
+            n = min(per_epoch, steps - epoch * per_epoch)
+            plan.record(self.noise_multiplier(epoch), s.sample_rate, n)
+        return plan.history
+
     def release_noise_multiplier(self, accounted: float) -> float:
         """Multiplier of each of the step's queries so that their joint one is `accounted`."""
         if self.releases_per_step == 1:
@@ -321,7 +333,7 @@ class DPAlgorithm:
         out = {"algorithm": self.name, "noise_multiplier": self.sigma, **self.params}
         if self.releases_per_step > 1:
             out["release_noise_multiplier"] = self.release_noise_multiplier(self.sigma)
-        # precision, and under fp16 the loss scale and its recomputations
+        # precision, and under fp16 the loss scale's settings (never its data-dependent course)
         return {**out, **self.precision.describe()}
 
 

@@ -23,7 +23,7 @@ from typing import Any, ClassVar
 
 import torch
 from opacus.optimizers import DPOptimizer
-from opacus.optimizers.optimizer import _check_processed_flag, _generate_noise, _mark_as_processed
+from opacus.optimizers.optimizer import _check_processed_flag, _mark_as_processed
 from torch import nn
 
 from dpadapter.algorithms.base import DPAlgorithm, Release, register_algorithm
@@ -35,6 +35,7 @@ from dpadapter.param_schema import (
     nullable,
     params_object,
 )
+from dpadapter.privacy.randomness import gaussian_noise
 from dpadapter.train.per_sample.clip import clip_factors
 
 
@@ -194,13 +195,13 @@ class GEPOptimizer(DPOptimizer):
         s = self.noise_multiplier
         noisy_emb, emb_noise, res_noise = [], [], []
         for e in self.embedding_sum:
-            z = _generate_noise(s * self.embedding_clip, e, self.generator, self.secure_mode)
+            z = gaussian_noise(s * self.embedding_clip, e, self.generator, self.secure_mode)
             noisy_emb.append(e + z)
             emb_noise.append(z)
         for g in range(len(self.groups)):
             for _i, p, vb in self._blocks(g):
                 _check_processed_flag(p.summed_grad)
-                z = _generate_noise(
+                z = gaussian_noise(
                     s * self.residual_clip, p.summed_grad, self.generator, self.secure_mode
                 )
                 p.grad = (p.summed_grad + z + (noisy_emb[g] @ vb).view_as(p)).view_as(p)

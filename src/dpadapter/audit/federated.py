@@ -34,6 +34,7 @@ from dpadapter.federated.mechanisms import GAUSSIAN, LAPLACE
 from dpadapter.federated.partition import dirichlet_partition
 from dpadapter.federated.simulation import Client, Federation
 from dpadapter.federated.stage import mechanism_run, plan_noise
+from dpadapter.privacy import randomness
 from dpadapter.strategies import get_strategy
 from dpadapter.train.per_sample import wrap_for_dp
 
@@ -47,7 +48,7 @@ class FixedSizeClient(Client):
 
     def sample(self) -> tuple[torch.Tensor, torch.Tensor]:
         x, y = self.data.tensors
-        mask = torch.rand(len(y), generator=self.sample_gen) < self.mech.sample_rate
+        mask = randomness.poisson_mask(len(y), self.mech.sample_rate, self.sample_gen)
         return x[mask], y[mask]
 
 

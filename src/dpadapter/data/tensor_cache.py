@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import uuid
 import zlib
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+
+from dpadapter import atomic
 
 log = logging.getLogger(__name__)
 
@@ -105,13 +105,7 @@ def write(path: Path, name: str, source: str, tensors: Tensors) -> None:
         "test": (xte, yte),
         "crc32": {"train": [_crc(xtr), _crc(ytr)], "test": [_crc(xte), _crc(yte)]},
     }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
-    try:
-        torch.save(payload, tmp)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    atomic.torch_save(payload, path)
 
 
 def load_or_build(

@@ -51,7 +51,7 @@ from torch import nn
 
 from dpadapter.federated.mechanisms import GAUSSIAN, LAPLACE, SENSITIVITY_FACTOR, laplace_noise
 from dpadapter.models import get_head_params
-from dpadapter.privacy import Segment
+from dpadapter.privacy import Segment, randomness
 from dpadapter.strategies import FT, HT, apply_phase
 from dpadapter.train.per_sample.clip import clip_factors
 
@@ -243,7 +243,7 @@ def privatize(
     # float64 noise drawn where the client's generator lives (CPU, or the GPU of the run)
     ref = torch.zeros(m, dtype=torch.float64, device=generator.device)
     if mechanism == GAUSSIAN:
-        z = torch.randn(m, generator=generator, dtype=torch.float64, device=generator.device)
+        z = randomness.standard_normal(m, generator, torch.float64)
         noisy = [
             v + float(zi) * noise * math.sqrt(m) * s
             for v, zi, s in zip(values, z, sens, strict=True)

@@ -37,6 +37,7 @@ from dpadapter.privacy import (
     Segment,
     calibrate_sigma,
     epsilon_from_history,
+    randomness,
     smallest_sigma,
 )
 from dpadapter.privacy.accounting import EPS_ERROR, accountant_version
@@ -58,16 +59,8 @@ SENSITIVITY_FACTOR = {GAUSSIAN: 1.0, LAPLACE: 2.0}
 
 
 def laplace_noise(shape, scale: float, generator: torch.Generator | None, like: torch.Tensor):
-    """Lap(0, scale) i.i.d., as the difference of two Exp(1) draws times scale (exact law)."""
-    if scale == 0:
-        return torch.zeros(shape, dtype=like.dtype, device=like.device)
-    e1 = torch.empty(shape, dtype=like.dtype, device=like.device).exponential_(
-        1.0, generator=generator
-    )
-    e2 = torch.empty(shape, dtype=like.dtype, device=like.device).exponential_(
-        1.0, generator=generator
-    )
-    return (e1 - e2) * scale
+    """Lap(0, scale) i.i.d. (`privacy.randomness`: from the OS for a secret generator)."""
+    return randomness.laplace_noise(shape, scale, generator, like)
 
 
 class LaplaceDPOptimizer(DPOptimizer):

@@ -25,6 +25,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from dpadapter.federated.mechanisms import GAUSSIAN, LAPLACE, LaplaceDPOptimizer, make_ledger
+from dpadapter.privacy import randomness
 from dpadapter.strategies import Schedule, apply_phase
 from dpadapter.train.batching import masked_cross_entropy, pad_batch, padded_size
 
@@ -40,6 +41,7 @@ class MechanismRun:
     lr: float
     delta: float = 0.0
     accountant: str = "prv"
+    randomness: str = "seeded"  # privacy.randomness: the clients' noise and masks from the OS
 
     def __post_init__(self) -> None:
         if self.name == LAPLACE and self.sample_rate != 1.0:
@@ -53,7 +55,7 @@ class MechanismRun:
 
 
 class Client:
-    """One client's data, RNGs (sampling and noise, seeded), ledger and per-phase optimizers.
+    """One client's data, RNGs (sampling and noise: seeded, or secret), ledger and optimizers.
 
     `pad`: pad every Poisson sample to one size (`pad_to`) with masked rows, as fine-tuning
     does on CUDA (dpadapter.train.batching): with cuDNN benchmark on, each new batch shape
@@ -77,11 +79,15 @@ class Client:
         self.size = len(data)
         q = mech.sample_rate
         self.pad_to = padded_size(q * self.size, q) if pad and q < 1.0 else None
-        self.sample_gen = torch.Generator().manual_seed(1_000_003 * (seed + 1) + 2 * index)
         # The mechanism's noise is drawn on the model's device (Opacus needs the generator there).
-        self.noise_gen = torch.Generator(device=device or "cpu").manual_seed(
-            1_000_003 * (seed + 1) + 2 * index + 1
-        )
+        if mech.randomness == randomness.SECRET:
+            self.sample_gen = randomness.secret_generator()
+            self.noise_gen = randomness.secret_generator(device or "cpu")
+        else:
+            self.sample_gen = torch.Generator().manual_seed(1_000_003 * (seed + 1) + 2 * index)
+            self.noise_gen = torch.Generator(device=device or "cpu").manual_seed(
+                1_000_003 * (seed + 1) + 2 * index + 1
+            )
         self.ledger = make_ledger(mech.name, mech.delta, mech.accountant)
         self._optimizers: dict[str, DPOptimizer] = {}
         self.audit: list[dict] | None = None
@@ -90,7 +96,7 @@ class Client:
         x, y = self.data.tensors
         if self.mech.sample_rate >= 1.0:
             return x, y
-        mask = torch.rand(self.size, generator=self.sample_gen) < self.mech.sample_rate
+        mask = randomness.poisson_mask(self.size, self.mech.sample_rate, self.sample_gen)
         mask = mask.to(x.device)
         return x[mask], y[mask]
 

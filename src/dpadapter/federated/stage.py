@@ -40,7 +40,7 @@ from dpadapter.federated.simulation import Client, Federation, MechanismRun
 from dpadapter.job import seed_everything, training_job
 from dpadapter.models import replace_head
 from dpadapter.models.batchnorm import freeze_batchnorm
-from dpadapter.privacy import Segment, calibrate_sigma
+from dpadapter.privacy import Segment, verify_plan
 from dpadapter.strategies import FT, PHASES, apply_phase, get_strategy, released_dims
 from dpadapter.train.batching import wants_padding
 from dpadapter.train.checkpoint import load_model
@@ -84,13 +84,16 @@ def plan_noise(cfg: Config, mechanism: str, eps: float, releases: int, with_rule
     m = fed.estimate_points  # estimation releases per client, one per point of the trajectory
     if mechanism == GAUSSIAN:
         q = fed.gaussian.sample_rate
-        if not with_rule:
-            return calibrate_sigma(eps, priv.delta, q, releases, priv.accountant, cache), None, 0.0
-        eps_e = fed.gaussian.estimate_fraction * eps
-        # m full-data Gaussian releases at sigma_e compose exactly to one at sigma_e / sqrt(m)
-        sigma_e = estimate_sigma(eps_e, priv.delta) * math.sqrt(m)
-        prior = [Segment(sigma_e, 1.0, m)]
+        prior, sigma_e, eps_e = [], None, 0.0
+        if with_rule:
+            eps_e = fed.gaussian.estimate_fraction * eps
+            # m full-data Gaussian releases at sigma_e compose exactly to one at sigma_e / sqrt(m)
+            sigma_e = estimate_sigma(eps_e, priv.delta) * math.sqrt(m)
+            prior = [Segment(sigma_e, 1.0, m)]
         sigma = gaussian_sigma(eps, priv.delta, q, releases, priv.accountant, prior, cache)
+        # either sigma may be the memo's: each client's plan is recomputed before any round
+        plan = [*prior, Segment(sigma, q, releases)]
+        verify_plan(plan, priv.delta, priv.accountant, eps, f"federated {mechanism} eps {eps:g}")
         return sigma, sigma_e, eps_e
     eps_e = fed.laplace.estimate_fraction * eps if with_rule else 0.0
     # pure DP adds up: each of the m estimation releases gets eps_e / m
@@ -108,6 +111,7 @@ def mechanism_run(cfg: Config, mechanism: str, noise_multiplier: float) -> Mecha
         lr=mc.lr,
         delta=cfg.privacy.delta if mechanism == GAUSSIAN else 0.0,
         accountant=cfg.privacy.accountant,
+        randomness=cfg.privacy.randomness,
     )
 
 

@@ -12,6 +12,7 @@ from dpadapter.privacy.calibration import (
     calibrate_sigma,
     max_reachable_epsilon,
     smallest_sigma,
+    verify_plan,
 )
 
 __all__ = [
@@ -24,4 +25,5 @@ __all__ = [
     "max_reachable_epsilon",
     "pld_epsilon",
     "smallest_sigma",
+    "verify_plan",
 ]

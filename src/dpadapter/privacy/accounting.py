@@ -11,14 +11,12 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import json
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from dpadapter.privacy import rdp_memo
-from dpadapter.privacy.memo import cached
 
 EPS_ERROR = 0.01  # PRV discretisation error; Opacus returns the upper end of the bound
 
@@ -44,35 +42,22 @@ def _accountant(name: str):
 
 
 def accountant_version() -> str:
-    """Opacus' version: its accountants' numerics are part of every cached result's key (read
+    """Opacus' version: its accountants' numerics are part of every memoised sigma's key (read
     from the installed package's metadata: importing Opacus costs over a second)."""
     from importlib.metadata import version
 
     return version("opacus")
 
 
-def epsilon_from_history(
-    history: list[Segment], delta: float, accountant: str = "prv", cache: str | Path | None = None
-) -> float:
+def epsilon_from_history(history: list[Segment], delta: float, accountant: str = "prv") -> float:
     """Upper bound on epsilon for the composed history (Opacus PRV or RDP).
 
-    `cache`: a JSON file of results shared by a grid's jobs (`memo.cached`), keyed by every
-    input: the accountant and its version, delta, PRV's error bound and each segment exactly.
+    Always computed: no value is read from a memo or a file, since every epsilon the pipeline
+    prints, records or checks must come from the accountant and this history (a results folder's
+    stale or edited memo once supplied a run's "checked" epsilon). Only Opacus' pure per-order
+    RDP function is memoised, in this process (`rdp_memo`).
     """
-    if cache is None:
-        return _epsilon(history, delta, accountant)
-    key = json.dumps(
-        [
-            "epsilon",
-            1,
-            accountant,
-            accountant_version(),
-            delta,
-            EPS_ERROR if accountant == "prv" else None,
-            [s.as_tuple() for s in history],
-        ]
-    )
-    return cached(cache, key, lambda: _epsilon(history, delta, accountant))
+    return _epsilon(history, delta, accountant)
 
 
 def _epsilon(history: list[Segment], delta: float, accountant: str) -> float:
@@ -164,8 +149,8 @@ def pld_epsilon(history: list[Segment], delta: float, discretization: float = 1e
 class PrivacyLedger:
     """Append-only record of releases; consecutive identical releases merge into one segment.
 
-    `cache`: where `epsilon()` memoises its results (`epsilon_from_history`); the runs of a grid
-    spend alike epoch by epoch, so most jobs find every epoch's epsilon there.
+    `epsilon()` asks the accountant each time (`epsilon_from_history`): what a run prints per
+    epoch and checks at its end is never a remembered number.
     """
 
     def __init__(
@@ -173,12 +158,10 @@ class PrivacyLedger:
         delta: float,
         accountant: str = "prv",
         history: list[Segment] | None = None,
-        cache: str | Path | None = None,
     ):
         self.delta = delta
         self.accountant = accountant
         self.history: list[Segment] = list(history or [])
-        self.cache = cache
 
     def record(self, noise_multiplier: float, sample_rate: float, steps: int = 1) -> None:
         if self.history:
@@ -193,7 +176,7 @@ class PrivacyLedger:
         return sum(s.steps for s in self.history)
 
     def epsilon(self) -> float:
-        return epsilon_from_history(self.history, self.delta, self.accountant, self.cache)
+        return epsilon_from_history(self.history, self.delta, self.accountant)
 
     def state_dict(self) -> dict[str, Any]:
         return {

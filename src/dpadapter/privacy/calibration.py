@@ -42,7 +42,8 @@ CALIBRATION_ITERATIONS = 100
 
 
 class CalibrationError(ValueError):
-    """No noise multiplier in the calibration range meets the target; the message says why."""
+    """No noise multiplier in the calibration range meets the target, or a planned history
+    (its sigma perhaps read from the memo) overspends it; the message says why."""
 
 
 @dataclass(frozen=True)
@@ -186,6 +187,31 @@ def _narrow_enough(s: Search, lo: float, hi: float, eps_hi: float, target: float
     return s.eps_tol is not None and target - eps_hi <= s.eps_tol
 
 
+def verify_plan(
+    history: list[Segment], delta: float, accountant: str, target: float, where: str
+) -> float:
+    """The accountant's epsilon of the releases a run plans, computed now with no memo; refuses
+    (CalibrationError) a plan that spends more than `target`.
+
+    Every sigma the calibrations hand out may come from the results folder's memo, which a stale
+    or edited folder fills with any number (sigma 0.3 once trained a run whose true epsilon was
+    79). Called with the planned history before the first private step, so such a sigma never
+    trains; an honest memo entry passes, since its search evaluated this very history within
+    budget.
+    """
+    spent = epsilon_from_history(history, delta, accountant)
+    if not spent <= target:  # NaN refuses too
+        rows = ", ".join(f"{s.steps} at sigma {s.noise_multiplier:.6g}" for s in history)
+        raise CalibrationError(
+            f"{where}: the planned releases ({rows}; sample rate "
+            f"{history[0].sample_rate if history else 0:.4g}) spend epsilon {spent:.4g} at delta "
+            f"{delta:g} ({accountant}), which exceeds the target {target:g}: its sigma was read "
+            "from a stale or edited calibration memo (<results_dir>/.cache/) or resume state "
+            "(<results_dir>/.resume/); delete it, and sigma is calibrated again"
+        )
+    return spent
+
+
 # --- constant sigma: what every algorithm calibrates from its run spec -------------------------
 # Opacus' `get_noise_multiplier` search (double from 20, then bisect from 0 to an absolute
 # tolerance of 0.005 on epsilon), bounded: sigma is the same as Opacus' for every target it
@@ -207,8 +233,9 @@ def calibrate_sigma(
     """Smallest sigma (to Opacus' tolerance) whose epsilon does not exceed the target.
 
     The bisection costs seconds with PRV and every job of a grid repeats the same few, so the
-    results are cached in a JSON file keyed by every input (the runs still check the spent
-    epsilon against the target from their own recorded history).
+    results are cached in a JSON file keyed by every input. A run never trusts that file: it
+    verifies the sigma on its planned history before training (`verify_plan`) and checks the
+    spent epsilon, recomputed from its recorded history, at the end.
     """
     key = json.dumps(
         ["sigma", KEY_VERSION, accountant_version(), target_epsilon, delta, sample_rate, steps]

@@ -1,14 +1,18 @@
-"""The memo shared by every accountant result the pipeline repeats: sigma from a target and
-epsilon from a history.
+"""The memo of the pipeline's repeated calibrations: sigma from a target epsilon.
 
-A grid's jobs repeat the same few calibrations and the same per-epoch histories (every upstream
-method and seed of one task, epsilon and algorithm spends exactly alike), and one PRV evaluation
-costs a fraction of a second to seconds. Results are memoised under a key that must name every
-input of the computation (a missing one would hand a run another run's noise or epsilon: the
-tests change each input and expect a miss): in this process's memory, and in a JSON file shared
-by the jobs of a results folder (`<results_dir>/.cache/`), which concurrent jobs update under a
-lock and replace atomically. An unreadable file is treated as empty and rewritten. Without a
-file nothing is memoised (tests that stub the accountant stay independent).
+A grid's jobs repeat the same few calibrations (every upstream method and seed of one task,
+epsilon and algorithm alike), and one search costs seconds of PRV evaluations. Results are
+memoised under a key that must name every input of the computation (a missing one would hand a
+run another run's noise: the tests change each input and expect a miss): in this process's
+memory, and in a JSON file shared by the jobs of a results folder (`<results_dir>/.cache/`),
+which concurrent jobs update under a lock and replace atomically. An unreadable file is treated
+as empty and rewritten. Without a file nothing is memoised (tests that stub the accountant stay
+independent).
+
+What it returns only plans a run: anyone who can write the results folder can write any number
+here. So no epsilon is ever memoised (each one printed, recorded or checked is the accountant's,
+from the history), and every sigma taken from here is verified on the run's planned history,
+with no memo, before training (`calibration.verify_plan`).
 """
 
 from __future__ import annotations

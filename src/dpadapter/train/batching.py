@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch.utils.data import BatchSampler, RandomSampler, TensorDataset
 
 from dpadapter.device import gather
+from dpadapter.privacy import randomness
 
 PAD_LABEL = -100
 
@@ -109,7 +110,11 @@ class PoissonBatches:
         self.device = device
         self.pad = pad
         self.max_physical = max_physical
-        self.poisson = UniformWithReplacementSampler(
+        if randomness.is_secret(generator):
+            poisson = _secret_poisson_sampler()
+        else:
+            poisson = UniformWithReplacementSampler
+        self.poisson = poisson(
             num_samples=len(self.y), sample_rate=sample_rate, generator=generator
         )
         self.indices = (
@@ -167,6 +172,20 @@ class ShuffledBatches:
             yield gather(self.x, rows, self.device), gather(self.y, rows, self.device)
 
 
+def _secret_poisson_sampler():
+    from opacus.utils.uniform_sampler import UniformWithReplacementSampler
+
+    class SecretPoissonSampler(UniformWithReplacementSampler):
+        """Opacus' Poisson sampler with each step's mask from the OS (privacy.randomness)."""
+
+        def __iter__(self):
+            for _ in range(self.steps):
+                mask = randomness.poisson_mask(self.num_samples, self.sample_rate, self.generator)
+                yield mask.nonzero(as_tuple=False).reshape(-1).tolist()
+
+    return SecretPoissonSampler
+
+
 def dp_batches(data: TensorDataset, sample_rate: float, generator, device, **split):
     """The DP loop's batches: on the CPU without padding, Opacus' own DPDataLoader (split into
     physical batches by Opacus' `wrap_data_loader`, what BatchMemoryManager does), exactly the
@@ -174,7 +193,9 @@ def dp_batches(data: TensorDataset, sample_rate: float, generator, device, **spl
     `PoissonBatches` (the same index stream, gathered on the device, padded when asked).
     `split` are PoissonBatches' `max_physical`, `pad` and `optimizer`."""
     cpu = device.type == "cpu" and data.tensors[0].device.type == "cpu"
-    if not split.get("pad") and cpu:
+    # secret randomness: PoissonBatches, whose masks come from the OS (Opacus' loader would
+    # draw them from the generator)
+    if not split.get("pad") and cpu and not randomness.is_secret(generator):
         from opacus.data_loader import DPDataLoader
         from opacus.utils.batch_memory_manager import wrap_data_loader
 

@@ -12,13 +12,13 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from dpadapter import atomic
 from dpadapter.config import ModelConfig
 from dpadapter.models import create_model
 from dpadapter.models.input_adapter import AdapterSpec, adapt
@@ -73,7 +73,6 @@ def save_model(
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
     buf = io.BytesIO()
     torch.save(
         {
@@ -89,11 +88,8 @@ def save_model(
         buf,
     )
     data = buf.getvalue()
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)  # never leave a half-written checkpoint under the final name
+    # never a half-written checkpoint under the final name, nor one of two concurrent writers'
+    atomic.write_bytes(path, data, fsync=True)
     return {"file": path.name, "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
 
 

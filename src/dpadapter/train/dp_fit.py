@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from opacus.validators import ModuleValidator
@@ -21,7 +20,7 @@ from dpadapter import device as devices
 from dpadapter.algorithms import ALGORITHMS, DPRunSpec
 from dpadapter.config import Config
 from dpadapter.models.batchnorm import freeze_batchnorm
-from dpadapter.privacy import PrivacyLedger
+from dpadapter.privacy import PrivacyLedger, randomness, verify_plan
 from dpadapter.strategies import Schedule, apply_phase
 from dpadapter.train.batching import PAD_LABEL, dp_batches, masked_cross_entropy
 from dpadapter.train.dp_spec import padding
@@ -55,6 +54,8 @@ class FitSettings:
     precision: str = "fp32"
     per_sample_check: bool = True  # the wrap-time self-test (train.per_sample.self_test)
     bn_affine: str = "train"
+    # privacy.randomness: noise and Poisson masks from the seed, or from the OS (secret)
+    randomness: str = "seeded"
 
     @classmethod
     def from_config(cls, cfg: Config, lr: float | None = None) -> FitSettings:
@@ -71,6 +72,7 @@ class FitSettings:
             precision=ft.precision,
             per_sample_check=ft.per_sample_check,
             bn_affine=ft.bn_affine,
+            randomness=cfg.privacy.randomness,
         )
 
 
@@ -129,12 +131,13 @@ def dp_fit(
     devices.configure(dev, settings.tf32)
     model.to(dev)
     train = devices.place(train, dev)
-    # every epoch's epsilon is memoised beside the sigma cache: a grid's runs spend alike
-    cal = spec.calibration_cache
-    eps_cache = None if cal is None else Path(cal).with_name("epsilon.json")
-    ledger = PrivacyLedger(spec.delta, spec.accountant, cache=eps_cache)
+    ledger = PrivacyLedger(spec.delta, spec.accountant)
     # The mechanism's noise is drawn on the parameters' device (Opacus needs the generator there).
-    noise_gen = devices.generator(dev, 10_000 + seed)
+    secret = settings.randomness == randomness.SECRET
+    if secret:
+        noise_gen = randomness.secret_generator(dev)
+    else:
+        noise_gen = devices.generator(dev, 10_000 + seed)
     algo = ALGORITHMS[algo_name](spec, ledger, noise_gen)
     if algo.needs_public_data:
         # GEP's anchor subspace comes from public gradients only (no privacy cost).
@@ -160,7 +163,10 @@ def dp_fit(
     base_opt = base_optimizer(settings, gsm.parameters())
     algo.precision = make_precision(settings.precision, dev)
     optimizer = bind_optimizer(algo.make_optimizer(base_opt), gsm, algo.precision)
-    sample_gen = torch.Generator().manual_seed(20_000 + seed)
+    if secret:
+        sample_gen = randomness.secret_generator()
+    else:
+        sample_gen = torch.Generator().manual_seed(20_000 + seed)
     loader = dp_batches(
         train,
         spec.sample_rate,
@@ -181,12 +187,18 @@ def dp_fit(
         first = next(model.parameters())
         algo.load_state_dict(state["algorithm"], device=first.device, dtype=first.dtype)
         ledger.history = PrivacyLedger.from_state_dict(state["ledger"]).history
-        noise_gen.set_state(state["noise_rng"])
-        sample_gen.set_state(state["sample_rng"])
+        if not secret:  # secret: the mechanism's draws have no state; nothing to restore
+            noise_gen.set_state(state["noise_rng"])
+            sample_gen.set_state(state["sample_rng"])
         devices.set_rng_state(state["torch_rng"])
         first_epoch = state["epoch"]
         if schedule is not None:
             apply_phase(model, schedule.phase(ledger.steps))
+    # sigma may come from the calibration memo or the resume state: its plan is recomputed by
+    # the accountant, and refused if it overspends, before the first private step
+    verify_plan(
+        algo.planned_history(), spec.delta, spec.accountant, spec.target_epsilon, label or algo_name
+    )
     loss_fn = masked_cross_entropy if pad is not None else nn.functional.cross_entropy
     gsm.train()
     # One line per epoch (and every few minutes within long ones) in the job's log; `val`

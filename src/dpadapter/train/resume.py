@@ -12,12 +12,13 @@ with a warning, never mixed into this run. Torch has no such helper for a plain 
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from dpadapter import atomic
 
 
 def resume_file_path(results_dir: str | Path, *parts: str) -> Path:
@@ -60,10 +61,8 @@ class ResumeFile:
         return {k: int(self.state[k]) for k in ("epoch", "batch", "steps") if k in self.state}
 
     def save(self, state: dict[str, Any]) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(".tmp")
-        torch.save({**state, **self.extra, "identity": self.identity}, tmp)
-        os.replace(tmp, self.path)  # a kill during the write leaves the previous state intact
+        # a kill during the write leaves the previous state intact
+        atomic.torch_save({**state, **self.extra, "identity": self.identity}, self.path)
 
     def clear(self) -> None:
         self.path.unlink(missing_ok=True)

@@ -221,13 +221,21 @@ def _torchvision_file(enum_name: str) -> Path:
     return path
 
 
-def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
-    """The tensors of a weights file, whatever wrapper it comes in (never unpickles code)."""
+def read_state_dict(path: Path, mmap: bool = False) -> dict[str, torch.Tensor]:
+    """The tensors of a weights file, whatever wrapper it comes in (never unpickles code).
+
+    `mmap` maps a torch file instead of reading it (the validation wants the shapes only); a
+    file in the legacy format, which cannot be mapped, is read."""
     if path.suffix == ".safetensors":
         from safetensors.torch import load_file
 
         return load_file(str(path), device="cpu")
-    obj = torch.load(path, map_location="cpu", weights_only=True)
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except RuntimeError:
+        if not mmap:
+            raise
+        obj = torch.load(path, map_location="cpu", weights_only=True)
     for key in ("state_dict", "model", "state_dict_ema", "model_ema"):
         if isinstance(obj, dict) and isinstance(obj.get(key), dict) and _all_tensors(obj[key]):
             obj = obj[key]
@@ -254,6 +262,22 @@ def head_prefix(model: nn.Module) -> str:
     raise ValueError("the model's classifier is not one of its modules")
 
 
+def state_mismatch(
+    own: dict[str, tuple[int, ...]], given: dict[str, tuple[int, ...]], head: str
+) -> tuple[list[str], list[str], list[str]]:
+    """(missing from `given`, not in the model, shapes that differ), the classifier `head.`
+    aside: the one comparison of the validation (upstream.checks) and of the load below."""
+    keep = {k: v for k, v in given.items() if not k.startswith(head)}
+    missing = sorted(k for k in own if k not in keep and not k.startswith(head))
+    unexpected = sorted(set(keep) - set(own))
+    shapes = [
+        f"{k}: {tuple(v)} in the file, {tuple(own[k])} in the model"
+        for k, v in keep.items()
+        if k in own and tuple(v) != tuple(own[k])
+    ]
+    return missing, unexpected, shapes
+
+
 def load_backbone_state(model: nn.Module, state: dict[str, torch.Tensor], source: str) -> list[str]:
     """Load everything but the classifier, refusing any other mismatch by name; return the
     classifier keys of `state` that were left out."""
@@ -261,13 +285,11 @@ def load_backbone_state(model: nn.Module, state: dict[str, torch.Tensor], source
     own = model.state_dict()
     dropped = sorted(k for k in state if k.startswith(head))
     keep = {k: v for k, v in state.items() if not k.startswith(head)}
-    unexpected = sorted(set(keep) - set(own))
-    missing = sorted(k for k in own if k not in keep and not k.startswith(head))
-    shapes = [
-        f"{k}: {tuple(v.shape)} in the file, {tuple(own[k].shape)} in the model"
-        for k, v in keep.items()
-        if k in own and tuple(v.shape) != tuple(own[k].shape)
-    ]
+    missing, unexpected, shapes = state_mismatch(
+        {k: tuple(v.shape) for k, v in own.items()},
+        {k: tuple(v.shape) for k, v in state.items()},
+        head,
+    )
     problems = []
     if missing:
         problems.append(f"missing from the weights: {', '.join(missing)}")

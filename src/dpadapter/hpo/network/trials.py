@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
-
 from dpadapter.config import Config
 from dpadapter.hpo.accounting import history_of, is_prefix
 from dpadapter.hpo.network.plan import load_plan, read_json, write_json
@@ -18,6 +16,7 @@ from dpadapter.hpo.network.runner import count_correct, private_data, strategy_o
 from dpadapter.hpo.seeds import SELECTION_STREAM
 from dpadapter.hpo.selection import selection_of
 from dpadapter.hpo.space import step_dict, step_from
+from dpadapter.privacy.randomness import selection_random
 
 
 def trial(cfg: Config, plan_path: Path, sweep: int, index: int, ckpt: Path, out_dir: Path) -> dict:
@@ -110,7 +109,7 @@ def sweep(
         raise ValueError(f"sweep {sweep_index}: need each of its {len(spec['trials'])} trials once")
     ordered = [by_index[i] for i in range(len(spec["trials"]))]
     mech = selection_of(cfg)
-    rng = np.random.default_rng([p["seed"], SELECTION_STREAM, sweep_index])
+    rng = selection_random(cfg.privacy.randomness, [p["seed"], SELECTION_STREAM, sweep_index])
     chosen, published = mech.select([m["val_correct"] for m in ordered], rng)
     release = mech.release(len(ordered))
     if release != spec["selection_release"]:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from dpadapter.hpo.probe.features import Split
+from dpadapter.privacy import randomness
 from dpadapter.train.per_sample.clip import clip_factors
 
 
@@ -60,9 +61,17 @@ def clipped_grad_sum(
 
 
 def train(
-    data: Split, num_classes: int, runs: Sequence[Run], momentum: float, clip: float
+    data: Split,
+    num_classes: int,
+    runs: Sequence[Run],
+    momentum: float,
+    clip: float,
+    secret: bool = False,
 ) -> torch.Tensor:
-    """Train K zero-initialised heads in lockstep; head k stops after its own T_k steps."""
+    """Train K zero-initialised heads in lockstep; head k stops after its own T_k steps.
+
+    `secret` (privacy.randomness): the noise from the OS's cryptographic source, not the runs'
+    seeds."""
     x, y = data.x, data.y
     n, d = x.shape
     k = len(runs)
@@ -76,7 +85,10 @@ def train(
     gens = [torch.Generator().manual_seed(10_000 + r.seed) for r in runs]
     for t in range(int(steps.max()) if k else 0):
         active = (steps > t).float().view(k, 1, 1)
-        xi = torch.stack([torch.randn(d, num_classes, generator=g) for g in gens])
+        if secret:
+            xi = randomness.os_normal_tensor((k, d, num_classes))
+        else:
+            xi = torch.stack([torch.randn(d, num_classes, generator=g) for g in gens])
         g = (clipped_grad_sum(x, y1, w, clip, x_norm) + sig * xi) / n
         v = active * (momentum * v + g) + (1 - active) * v
         w = w - active * lr * v

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from dpadapter import atomic
 from dpadapter.train.per_sample.independence import make_independent
 
 SPLITS = ("train", "val", "test")
@@ -64,10 +65,7 @@ def compute(cfg, task: str, ckpt: Path, out: Path) -> dict:
     for name in SPLITS:
         x, y = getattr(d, name).tensors
         payload[name] = {"x": extract(model, x), "y": y.clone()}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".tmp")
-    torch.save(payload, tmp)
-    tmp.replace(out)
+    atomic.torch_save(payload, out)
     return payload
 
 

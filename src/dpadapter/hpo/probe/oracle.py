@@ -73,6 +73,7 @@ def oracle(cfg, features: Path) -> dict[str, Any]:
     """Every grid point at every budget, `oracle_seeds` seeds each (the grid's cost is shown in
     `grid_total_epsilon`, never used to claim anything)."""
     h, delta = cfg.hpo, cfg.privacy.delta
+    secret = cfg.privacy.randomness == "secret"
     data = load_data(features, with_test=True)
     space = space_of(cfg)
     points = [space.decompose_max_steps(r) for r in space.grid()]
@@ -81,7 +82,7 @@ def oracle(cfg, features: Path) -> dict[str, Any]:
     for eps in budgets(cfg):
         s1 = single_release_sigma(eps, delta)
         runs = [Run(c.lr, c.steps, s1 * math.sqrt(c.steps), s) for c in points for s in seeds]
-        w = train(data.train, data.num_classes, runs, h.momentum, h.max_grad_norm)
+        w = train(data.train, data.num_classes, runs, h.momentum, h.max_grad_norm, secret)
         val, test = correct(data.val, w), correct(data.test, w)
         nv, nt, ns = len(data.val.y), len(data.test.y), len(seeds)
         grid = []

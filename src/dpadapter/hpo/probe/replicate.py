@@ -27,6 +27,7 @@ from dpadapter.hpo.probe.privacy import (
 from dpadapter.hpo.seeds import R_STREAM, SELECTION_STREAM, trial_seed
 from dpadapter.hpo.selection import SelectionMechanism, selection_of
 from dpadapter.hpo.space import StepConfig, fit_scaling, space_of, step_dict
+from dpadapter.privacy.randomness import selection_random
 
 
 def _selections(cfg) -> dict[str, SelectionMechanism]:
@@ -41,6 +42,7 @@ def _selections(cfg) -> dict[str, SelectionMechanism]:
 def seed_run(cfg, features: Path, seed: int) -> dict[str, Any]:
     """Algorithm 2 with both selections, at every target budget; totals recomputed and checked."""
     h, delta = cfg.hpo, cfg.privacy.delta
+    secret = cfg.privacy.randomness == "secret"
     space = space_of(cfg)
     sel_data = load_data(features, with_test=False)  # the trials and selections see no test split
     rng = np.random.default_rng([seed, R_STREAM])
@@ -64,7 +66,7 @@ def seed_run(cfg, features: Path, seed: int) -> dict[str, Any]:
                     "history": history_rows(hist),
                 }
             )
-    w = train(sel_data.train, sel_data.num_classes, runs, h.momentum, h.max_grad_norm)
+    w = train(sel_data.train, sel_data.num_classes, runs, h.momentum, h.max_grad_norm, secret)
     for t, c in zip(trials, correct(sel_data.val, w), strict=True):
         t["val_correct"] = c  # curator-side: only the selection's output leaves this file
     trial_hists = tuple(history_of(t["history"]) for t in trials)
@@ -81,7 +83,7 @@ def seed_run(cfg, features: Path, seed: int) -> dict[str, Any]:
         chosen, releases = [], []
         for k, _eps in enumerate(h.sweep_epsilons):
             idx = [j for j, t in enumerate(trials) if t["sweep"] == k]
-            srng = np.random.default_rng([seed, SELECTION_STREAM, k])
+            srng = selection_random(cfg.privacy.randomness, [seed, SELECTION_STREAM, k])
             pick, _ = mech.select([trials[j]["val_correct"] for j in idx], srng)
             chosen.append(idx[pick])
             releases.append(mech.release(len(idx)))
@@ -129,7 +131,7 @@ def seed_run(cfg, features: Path, seed: int) -> dict[str, Any]:
     # The final runs are the only ones that see the test split, after every choice is made.
     full = load_data(features, with_test=True)
     final_runs = [Run(c.lr, c.steps, sigma, seed) for _, _, c, sigma in finals]
-    w = train(full.train, full.num_classes, final_runs, h.momentum, h.max_grad_norm)
+    w = train(full.train, full.num_classes, final_runs, h.momentum, h.max_grad_norm, secret)
     test, val = correct(full.test, w), correct(full.val, w)
     for (name, target, _, _), t, v in zip(finals, test, val, strict=True):
         row = out["selections"][name]["targets"][f"{target:g}"]

@@ -19,14 +19,19 @@ the true gradient. An overflow (a non-finite per-example gradient) is not skippe
 `torch.amp.GradScaler` skips an update: the step's release has not been made yet (no noise is
 drawn before clipping), and computing the same physical batch's per-example gradients again
 releases nothing. So the scale is halved and the same examples are recomputed, the RNG state
-restored so that dropout draws the same masks, up to `max_recomputations` times per batch;
-a batch that still overflows stops the run with an error. Nothing is dropped from the Poisson
-schedule: the ledger records every sampled step, as in fp32. (Accounting a skipped step as a
-release, the other honest option, would spend privacy for no update and leave the schedule's
-sigma calibrated for steps that do not train.) The scale starts at GradScaler's 2^16;
-Opacus' hooks and ew modes compute per-example gradients in fp16, n times a mean gradient's
-size, so a run's first batch usually halves it a few times. It grows back (x2) after
-`growth_interval` clean physical batches, as GradScaler's does; its history is recorded.
+restored so that dropout draws the same masks, up to `max_recomputations` times per batch; a
+batch that still overflows is computed once more in fp32 (its scale 1, no autocast), and the
+next batch starts from the scale this one started from. A run never stops on an overflow: that
+would publish a data-dependent event (its failure) outside the accounting. Nothing is dropped
+from the Poisson schedule: the ledger records every sampled step, as in fp32. (Accounting a
+skipped step as a release, the other honest option, would spend privacy for no update and leave
+the schedule's sigma calibrated for steps that do not train.) The scale starts at
+GradScaler's 2^16; Opacus' hooks and ew modes compute per-example gradients in fp16, n times a
+mean gradient's size, so a run's first batch usually halves it a few times. It grows back (x2)
+after `growth_interval` clean physical batches, as GradScaler's does. The scale's course
+(which batches overflowed, how often it was recomputed, where it stands) is a function of the
+private data: it lives in the resume state, which is as secret as the data, and is never
+published. `describe`, which goes to metrics.json and MLflow, gives the configuration only.
 bf16 has fp32's range and needs no scale.
 """
 
@@ -49,7 +54,8 @@ LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
 class GradientOverflow(RuntimeError):
-    """fp16 per-example gradients stayed non-finite at every scale tried."""
+    """A non-finite scaled per-example gradient reached the clip (unreachable: the check after
+    each backward recomputes such a batch)."""
 
 
 @dataclass
@@ -82,12 +88,12 @@ class LossScale:
             self.history.append((self._batches, self.scale))
 
     def describe(self) -> dict[str, Any]:
+        """The settings, fixed before any data is read; never the course of the scale."""
         return {
-            "loss_scale": self.scale,
-            "loss_scale_recomputations": self.recomputations,
-            "loss_scale_overflowed_batches": self.overflowed_batches,
-            # the last changes only: a long run grows the scale every growth_interval batches
-            "loss_scale_history": [list(h) for h in self.history[-50:]],
+            "loss_scale_initial": LossScale.scale,
+            "loss_scale_growth_interval": self.growth_interval,
+            "loss_scale_max_recomputations": self.max_recomputations,
+            "loss_scale_exhausted": "batch recomputed in fp32",
         }
 
 
@@ -107,6 +113,7 @@ class Precision:
         self.scaler = LossScale() if name == "fp16" else None
         self._params: Callable[[], list[nn.Parameter]] = list
         self._wrapped: nn.Module | None = None
+        self._in_fp32 = False  # the current batch overflowed at every scale: fp32, scale 1
 
     def bind(self, params: Callable[[], list[nn.Parameter]], wrapped: nn.Module) -> None:
         self._params = params
@@ -114,7 +121,8 @@ class Precision:
 
     @property
     def scale(self) -> float:
-        return 1.0 if self.scaler is None else self.scaler.scale
+        """What the current batch's per-example gradients are scaled by."""
+        return 1.0 if self.scaler is None or self._in_fp32 else self.scaler.scale
 
     def autocast(self) -> contextlib.AbstractContextManager:
         if self.dtype is None:
@@ -142,13 +150,14 @@ class Precision:
         assert scaler is not None
         device = x.device
         rng = rng_state(device)
+        start = scaler.scale
+        self._in_fp32 = False
         for attempt in range(scaler.max_recomputations + 1):
             if attempt:
                 scaler.overflowed()
                 self._clear()
                 set_rng_state(rng)
-            if isinstance(self._wrapped, BookKeepingModule):
-                self._wrapped.grad_scale = scaler.scale
+            self._set_grad_scale(scaler.scale)
             with self.autocast():
                 loss = loss_fn(model(x), y)
                 (loss * scaler.scale).backward()
@@ -157,12 +166,22 @@ class Precision:
                     scaler.overflowed_batches += 1
                 scaler.clean()
                 return loss.float()
-        raise GradientOverflow(
-            f"finetune.precision fp16: the per-example gradients of a batch of {len(y)} examples "
-            f"are not finite at loss scales down to {scaler.scale:g} "
-            f"({scaler.max_recomputations} recomputations; loss {float(loss):g}); "
-            "the forward itself overflows fp16: use precision bf16 or fp32"
-        )
+        # No scale helps (the forward itself overflows fp16): this batch in fp32, as an fp32
+        # run computes it, rather than a stop; the next batch starts where this one did.
+        self._clear()
+        set_rng_state(rng)
+        scaler.scale = start
+        scaler.overflowed_batches += 1
+        self._in_fp32 = True
+        self._set_grad_scale(1.0)
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        scaler.clean()
+        return loss
+
+    def _set_grad_scale(self, scale: float) -> None:
+        if isinstance(self._wrapped, BookKeepingModule):
+            self._wrapped.grad_scale = scale
 
     def _clear(self) -> None:
         """Drop the overflowed attempt's per-example and plain gradients (not the sums so far)."""
@@ -191,7 +210,7 @@ class Precision:
                 p.grad_sample = [_up(g, p.dtype, s) for g in gs]
             else:
                 p.grad_sample = _up(gs, p.dtype, s)
-        if self.scaler is not None and not all_finite(_grad_samples(params)):
+        if self.scaler is not None and not self._in_fp32 and not all_finite(_grad_samples(params)):
             # the check after the backward makes this unreachable; a scaled vector is never
             # clipped unless it is finite
             raise GradientOverflow("a non-finite per-example gradient reached the clip")

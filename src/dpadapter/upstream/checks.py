@@ -1,0 +1,161 @@
+"""The checks of a backbone from elsewhere, run by the validation before any job starts.
+
+Each mistake here used to surface inside a job: a misspelled timm name in the pretrain job
+(timm's `Unknown model`, no key, no suggestion), an input size the backbone cannot take at
+fine-tuning (a torch assertion, after the pretrain job had written its checkpoint), a checkpoint
+whose keys do not match in the pretrain job's log (a hundred names). Here each is found from the
+config alone and named by its key: the name against timm's registry with close matches; the
+size by building the backbone on the meta device (no memory, no weights) and running one
+forward at the size the input adapter hands it; the weights file's keys and shapes against that
+backbone (read lazily: a memory-mapped torch file, a safetensors header), with the classifier
+left out exactly as the pretrain job leaves it out. Only configs that name a timm backbone or
+an external upstream import timm or torch here; the default config's parse stays light.
+"""
+
+from __future__ import annotations
+
+import difflib
+import sys
+from pathlib import Path
+from typing import Any
+
+from dpadapter.config import Config, ModelConfig
+from dpadapter.upstream.resolve import EXTERNAL, resolve
+
+SHOWN = 3  # names per kind of mismatch in the message; the full list goes to stderr
+
+
+def timm_name_problem(model: str, at: str) -> str | None:
+    """`timm:<name>` (a pretrained tag allowed) must be a model timm has registered."""
+    import timm
+
+    name = model.removeprefix("timm:")
+    if timm.is_model(name):
+        return None
+    arch = name.split(".", 1)[0]
+    close = difflib.get_close_matches(arch, timm.list_models(), n=3, cutoff=0.75)
+    hint = f"; did you mean {', '.join(f'timm:{c}' for c in close)}?" if close else ""
+    return f"{at}: timm has no model {name!r}{hint} (timm.list_models() lists them)"
+
+
+def file_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """Names and shapes of a weights file's tensors without reading the tensors."""
+    if path.suffix == ".safetensors":
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as f:
+            return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118
+    from dpadapter.upstream.external import read_state_dict
+
+    return {k: tuple(v.shape) for k, v in read_state_dict(path, mmap=True).items()}
+
+
+def _meta_backbone(params: dict[str, Any], cfg: Config, in_chans: int):
+    import torch
+
+    from dpadapter.models import create_model
+
+    mc = ModelConfig(params["model"], cfg.model.groups, cfg.model.width, "freeze")
+    with torch.device("meta"):
+        return create_model(mc, 10, in_chans, 0, timm_args=dict(params.get("timm_args", {})))
+
+
+def _data_channels(cfg: Config) -> int | None:
+    from dpadapter.data.registry import DATASET_INFO
+
+    info = DATASET_INFO.get(cfg.public.dataset)
+    return cfg.public.channels or (info.channels if info else None)
+
+
+def external_problems(cfg: Config, check_files: bool) -> list[str]:
+    """Every external upstream's timm name, input size and (with `check_files`) weights."""
+    out: list[str] = []
+    if cfg.model.name.startswith("timm:"):
+        problem = timm_name_problem(cfg.model.name, "model.name")
+        out += [problem] if problem else []
+    for name in dict.fromkeys(cfg.upstreams):
+        try:
+            entry, params, at = resolve(name, cfg.upstream_params, cfg.external_upstreams)
+        except (KeyError, ValueError):
+            continue  # named by the validation's name checks
+        if entry.name != EXTERNAL or not str(params.get("model", "")).startswith("timm:"):
+            continue
+        problem = timm_name_problem(params["model"], f"{at}.model")
+        if problem:
+            out.append(problem)
+            continue
+        out += _fit_problems(cfg, params, at, check_files)
+    return out
+
+
+def _fit_problems(cfg: Config, params: dict[str, Any], at: str, check_files: bool) -> list[str]:
+    import torch
+
+    from dpadapter.upstream.external import External, head_prefix
+
+    method = External(params)
+    data_chans = _data_channels(cfg)
+    try:
+        spec = method.adapter_spec(data_chans or 3)
+    except ValueError:
+        return []  # the normalisation problem is the validation's own message
+    in_chans = (spec.channels if spec else None) or data_chans or 3
+    try:
+        backbone = _meta_backbone(params, cfg, in_chans)
+    except Exception as exc:  # timm refuses the arguments themselves
+        return [f"{at}.timm_args: timm cannot build {params['model']}: {exc}"]
+    out = []
+    size = spec.size if spec else None
+    if size is not None:
+        try:
+            with torch.no_grad():
+                backbone(torch.empty(2, in_chans, size, size, device="meta"))
+        except Exception as exc:
+            key = "input.size" if params.get("input", {}).get("size") else "timm_args"
+            out.append(
+                f"{at}.{key}: {params['model']} cannot take {size}x{size} inputs "
+                f"(the size its input adapter gives it): {str(exc).splitlines()[0]}"
+            )
+    weights = params.get("weights", {})
+    if check_files and "file" in weights:
+        out += _weight_problems(backbone, params, at, head_prefix(backbone) + ".")
+    return out
+
+
+def _weight_problems(backbone, params: dict[str, Any], at: str, head: str) -> list[str]:
+    from dpadapter.upstream.external import WeightsUnavailable, locate_weights
+
+    try:
+        _, path = locate_weights(params)
+        given = file_shapes(path)
+    except WeightsUnavailable:
+        return []  # the validation's weight check names the missing file
+    except Exception as exc:
+        return [f"{at}.weights: cannot read {params['weights']['file']}: {exc}"]
+    from dpadapter.upstream.external import state_mismatch
+
+    own = {k: tuple(v.shape) for k, v in backbone.state_dict().items()}
+    missing, unexpected, shapes = state_mismatch(own, given, head)
+    if not (missing or unexpected or shapes):
+        return []
+    parts = []
+    for what, names in (
+        ("missing from the file", missing),
+        ("not in the model", unexpected),
+        ("with other shapes", shapes),
+    ):
+        if names:
+            more = f", … (+{len(names) - SHOWN})" if len(names) > SHOWN else ""
+            parts.append(f"{len(names)} {what} ({', '.join(names[:SHOWN])}{more})")
+    print(
+        f"{at}.weights: {path} against {params['model']} (classifier {head[:-1]!r} aside):\n"
+        + "".join(f"  missing: {k}\n" for k in missing)
+        + "".join(f"  not in the model: {k}\n" for k in unexpected)
+        + "".join(f"  shape: {k}\n" for k in shapes),
+        file=sys.stderr,
+    )
+    return [
+        f"{at}.weights: {path} does not fit {params['model']}: {'; '.join(parts)}. Check "
+        f"{at}.model and {at}.timm_args against what the checkpoint was saved from (every key "
+        "is listed on stderr above)"
+    ]

@@ -1,0 +1,111 @@
+"""bench/gpu_session.sh --dry-run: the one GPU command, every step at tiny size on the CPU.
+
+The GPU is lent rarely and briefly; this keeps the command from rotting between loans (as
+`gpu_paper_timing.py` once did). The dry run hides MLflow, as on the bare GPU image, makes one
+step overrun its cap and one Table 2 cell overrun the deadline, and must still write at most 8
+files, none in a subfolder, with a summary that reports both as cut and never as results.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import pytest
+from bench_scripts import import_bench
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def dry(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gpu-session-out")
+    work = tmp_path_factory.mktemp("gpu-session-work")
+    env = {**os.environ, "PYTHON": sys.executable}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    p = subprocess.run(
+        ["bash", str(REPO / "bench/gpu_session.sh"), "--dry-run", str(out), "--work", str(work)],
+        capture_output=True, text=True, env=env, timeout=400,
+    )  # fmt: skip
+    return p, out, work
+
+
+def test_the_dry_run_writes_at_most_eight_flat_files(dry):
+    p, out, _ = dry
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
+    files = sorted(out.iterdir())
+    assert 1 <= len(files) <= 8 and all(f.is_file() for f in files), files
+    names = {f.name for f in files}
+    assert {"summary.md", "session.json", "logs.txt", "artifacts.tar.gz"} <= names
+    with tarfile.open(out / "artifacts.tar.gz") as tar:
+        assert any(n.endswith("cuda_tests.log") for n in tar.getnames())
+
+
+def test_every_step_ran_or_was_cut_and_says_so(dry):
+    _, out, _ = dry
+    data = json.loads((out / "session.json").read_text())
+    status = {s["name"]: s for s in data["steps"]}
+    assert list(status) == [
+        "versions", "dp_modes", "smoke", "cuda_tests", "deadline_probe", "pipeline", "table2",
+    ]  # fmt: skip
+    assert status["deadline_probe"]["status"] == "cut" and "cap" in status["deadline_probe"]["note"]
+    assert status["versions"]["status"] == "passed" and data["versions"]["opacus"]
+    assert data["versions"]["mlflow"] is not None  # installed here, hidden from the steps
+    for name, s in status.items():
+        assert s["status"] in {"passed", "cut", "partial"}, (name, s)
+    # the clipped sums of every mode were right (float64 against the per-example loop)
+    assert status["dp_modes"]["status"] == "passed"
+    assert all(r["check"]["ok"] for r in data["dp_modes"]["results"])
+    # the fixtures ran without MLflow: the CUDA test file's CPU tests passed, CUDA ones skipped
+    tests = data["cuda_tests"]
+    assert tests["passed"] > 0 and tests["failures"] == tests["errors"] == 0
+    summary = (out / "summary.md").read_text()
+    for section in ("## a.", "## b.", "## c.", "## d.", "## e.", "| deadline_probe | cut |"):
+        assert section in summary
+
+
+def test_steps_ran_without_mlflow_and_jobs_were_forked(dry):
+    _, out, work = dry
+    data = json.loads((out / "session.json").read_text())
+    assert not list((work / "pipeline" / "results").glob("mlartifacts")), "MLflow was not hidden"
+    pipe = data["pipeline"]
+    if next(s for s in data["steps"] if s["name"] == "pipeline")["status"] == "passed":
+        assert pipe["ok"], pipe
+        assert any(j["forked"] for j in pipe["training_jobs"] if "/finetune/" in j["job"])
+
+
+def test_a_cell_at_the_deadline_is_unfinished_never_a_result(dry):
+    _, out, _ = dry
+    t2 = json.loads((out / "session.json").read_text())["table2"]
+    stalled = t2["cells"]["dpsat-eps3"]
+    assert stalled["status"] == "cut" and "unfinished" in stalled["note"]
+    assert "accuracy" not in stalled
+    table = (out / "table2.md").read_text()
+    assert "| dpsat | 3 | 0 | cut: unfinished" in table
+    for k, c in t2["cells"].items():  # every finished cell carries its numbers
+        if c["status"] == "passed":
+            assert 0 <= c["accuracy"] <= 100 and c["epsilon_spent"] <= float(k[-1]) + 1e-6
+
+
+def test_a_cell_starts_only_when_its_projection_fits(tmp_path):
+    """After the first pair, a cell starts only if (measured time alone) x (cells sharing the
+    GPU) ends before the deadline; otherwise it waits or is reported as not started."""
+    import_bench("gpu_session_run")
+    t2 = import_bench("gpu_session_table2")
+    cells = t2.Cells(None, None, tmp_path, stall={t2.key(a, e) for a, e in t2.CELLS}, parallel=4)
+    cells.command = lambda a, e: (tmp_path, [sys.executable, "-c", "import time; time.sleep(60)"])
+    cells.pending = list(t2.CELLS[2:])
+    cells.outcomes = {"dpsgd-eps3": None, "dpsat-eps3": None}
+    cells.alone_s = [100.0]
+    cells.schedule(time.monotonic() + 150)  # one alone: 100 s fits; a second beside it: 200
+    assert list(cells.running) == ["dpsgd-eps1"]
+    assert cells.projection() == pytest.approx(200.0)
+    cells.schedule(time.monotonic() + 150)
+    assert list(cells.running) == ["dpsgd-eps1"]
+    cells.stop_all("test")
+    assert cells.outcomes["dpsgd-eps1"].status == "cut"
