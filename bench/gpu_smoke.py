@@ -296,9 +296,9 @@ def check_external(where: str, dev: torch.device, tiny: bool = False) -> dict:
     return r
 
 
-def check_upstream(cfg, dev: torch.device) -> dict:
+def check_upstream(cfg, dev: torch.device, tiny: bool = False) -> dict:
     """Warm-up, then DPAdapter's Algorithm 1 (B1 gradient on the GPU) and robust accuracy."""
-    public = synthetic(3000, 3)
+    public = synthetic(1500 if tiny else 3000, 3, 16 if tiny else 28)
     public = torch.utils.data.TensorDataset(*(t.to(dev) for t in public.tensors))
     model = create_model(cfg.model, CLASSES, 1, 0).to(dev)
     t0 = time.time()
@@ -307,8 +307,8 @@ def check_upstream(cfg, dev: torch.device) -> dict:
     method = UPSTREAMS["dpadapter"](
         {
             "epochs": 1,
-            "max_steps": 20,
-            "m1": 1024,
+            "max_steps": 8 if tiny else 20,
+            "m1": 256 if tiny else 1024,
             "m2": 64,
             "gamma": 0.5,
             "lr": 0.01,
@@ -322,7 +322,7 @@ def check_upstream(cfg, dev: torch.device) -> dict:
     sgd_train(dpa, public, method.sgd_config(), seed=0, step=step)
     if dev.type == "cuda":
         torch.cuda.synchronize()
-    test = synthetic(500, 4)
+    test = synthetic(300 if tiny else 500, 4, 16 if tiny else 28)
     accuracy = evaluate(dpa, test)
     delta_dev = None if step.last_delta is None else step.last_delta[0].device.type
     checks = {
@@ -379,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
             for name in args.algorithms:
                 record(f"{name}@{mode}", lambda n=name, c=cfg: check_algorithm(n, c, dev, **size))
     if "upstream" in args.parts:
-        record("upstream", lambda: check_upstream(smoke_config(where), dev))
+        record("upstream", lambda: check_upstream(smoke_config(where), dev, args.tiny))
     if "external" in args.parts:
         record("external-vit@bk-bf16", lambda: check_external(where, dev, args.tiny))
     report["done"] = True
