@@ -61,7 +61,7 @@ class MixedExamplesError(ValueError):
 class Independence:
     """What the check found: modules whose statistics are frozen, and which it pinned."""
 
-    frozen: tuple[str, ...]  # "name (Type)": FrozenBatchNorm and every pinned module
+    frozen: tuple[str, ...]  # "'name' (Type)": every FrozenBatchNorm and pinned module
     pinned: tuple[str, ...]  # those this check pinned (not by freeze_batchnorm)
     examples: int
     mode: str  # "train": the mode DP training runs in; "eval": feature extraction
@@ -117,7 +117,7 @@ def make_independent(
         for _, m in pinned:
             unpin(m)
         raise MixedExamplesError(
-            "DP training refused: in "
+            "refused before any private step: in "
             + ("training" if train else "eval")
             + " mode, "
             + "; ".join(refused)
@@ -135,7 +135,7 @@ def make_independent(
 
 
 def frozen_statistics(model: nn.Module) -> list[str]:
-    """ "name (Type)" of every module of `model` whose statistics are frozen."""
+    """The label ('name' (Type)) of every module of `model` whose statistics are frozen."""
     inner = {id(m.norm) for m in model.modules() if isinstance(m, FrozenBatchNorm)}
     out = []
     for name, m in model.named_modules():
