@@ -509,21 +509,26 @@ def end_stale_runs(experiment_id: str, job_key: str, keep: str | None = None) ->
     return ended
 
 
-PID_TAG, HOST_TAG = "dpadapter.pid", "dpadapter.host"
+# The job process of a run: "<pid>:<its start time>" (a pid alone may be reused), and its host.
+PID_TAG, HOST_TAG = "dpadapter.process", "dpadapter.host"
 
 
-def _process_gone(pid: str | None) -> bool:
-    """Whether the job process `pid` of this host is gone (a reused pid that is no dpadapter
-    process counts as gone)."""
+def _process_id(pid: int) -> str | None:
+    """`<pid>:<start time in clock ticks since boot>` (field 22 of /proc/<pid>/stat)."""
     try:
-        if int(pid) == os.getpid():
-            return False  # this process (a parent run it keeps open, e.g. an HPO plan's)
-        cmdline = Path(f"/proc/{int(pid)}/cmdline").read_bytes()
-    except (TypeError, ValueError):
-        return False  # no pid recorded: cannot tell
+        stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
-        return True
-    return b"dpadapter" not in cmdline
+        return None
+    return f"{pid}:{stat.rsplit(')', 1)[1].split()[19]}"
+
+
+def _process_gone(process: str | None) -> bool:
+    """Whether the job process recorded as `process` (of this host) has ended; a reused pid
+    has another start time, so it counts as ended too."""
+    if not process or ":" not in process:
+        return False  # nothing recorded: cannot tell
+    pid = process.split(":", 1)[0]
+    return pid.isdigit() and _process_id(int(pid)) != process
 
 
 def end_dead_runs(experiment_id: str) -> list[str]:
@@ -570,7 +575,7 @@ def _open(
         except MlflowException:  # resume state from another store, or from an untracked attempt
             run_id = None
     end_dead_runs(exp_id)
-    me = {PID_TAG: str(os.getpid()), HOST_TAG: socket.gethostname()}
+    me = {PID_TAG: _process_id(os.getpid()) or "", HOST_TAG: socket.gethostname()}
     if run_id is not None:
         run = mlflow.start_run(run_id=run_id)
         end_stale_runs(exp_id, run.data.tags.get(JOB_TAG, run_name), keep=run_id)
