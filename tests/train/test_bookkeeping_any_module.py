@@ -77,14 +77,22 @@ def _vit(**kw):
 CASES = {
     "vit": lambda: _vit(),
     "vit-layerscale": lambda: _vit(init_values=1e-5),
+    # register tokens, and the position embedding added before the prefix (DeiT-3 layout)
+    "vit-reg-noembedclass": lambda: _vit(reg_tokens=2, no_embed_class=True),
+    "vit-no-class-token": lambda: _vit(class_token=False, global_pool="avg"),
+    # a resampled position embedding: the closed form does not apply, torch.func does
+    "vit-dynamic": lambda: _vit(dynamic_img_size=True),
     "convnext": lambda: timm.create_model("convnext_atto", num_classes=CLASSES),
     "resnet-frozen-bn": lambda: _eval_batchnorms(timm.create_model("resnet10t", num_classes=5)),
     "frozen-stats-norm": lambda: _eval_batchnorms(FrozenNormNet()),
 }
 # modules that must take the torch.func path in each case (by class name)
 FALLBACK = {
-    "vit": {"VisionTransformer"},
-    "vit-layerscale": {"VisionTransformer", "LayerScale"},
+    "vit": set(),
+    "vit-layerscale": {"LayerScale"},
+    "vit-reg-noembedclass": set(),
+    "vit-no-class-token": set(),
+    "vit-dynamic": {"VisionTransformer"},
     "convnext": {"LayerNorm2d", "ConvNeXtBlock"},
     "resnet-frozen-bn": {"BatchNorm2d"},
     "frozen-stats-norm": {"FrozenStatsNorm", "BatchNorm2d"},
@@ -152,6 +160,9 @@ def test_norms_and_clipped_sum_match_the_torch_func_reference(case):
     kinds = {type(m).__name__: plan.get(n or "<root>") for n, m in bk._module.named_modules()}
     for name in FALLBACK[case]:
         assert kinds[name] == "torch.func", (name, kinds)
+    if case.startswith("vit") and "VisionTransformer" not in FALLBACK[case]:
+        # the tokens' closed form: no replay of the model (tokens.py)
+        assert kinds["VisionTransformer"] == "closed form (tokens)", kinds
     assert kinds["Linear"] != "torch.func" and kinds.get("Conv2d", "x") != "torch.func"
 
 

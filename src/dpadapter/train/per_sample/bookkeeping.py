@@ -41,8 +41,9 @@ bound was the alternative; it would need a proven bound on TF32's error for ever
 
 Closed forms: Linear (any leading dims), Conv2d (zeros padding, any groups, stride,
 dilation), GroupNorm, LayerNorm, each only where its class keeps the base class' forward (timm's
-LayerNorm2d normalises over channels with a forward of its own). Every other module that owns
-trainable parameters (a ViT's root with `cls_token` / `pos_embed`, LayerScale, an eval-mode
+LayerNorm2d normalises over channels with a forward of its own), and a timm ViT's own tokens
+(`cls_token`, `reg_token`, `pos_embed`: slices of the gradient where `_pos_embed` adds them,
+`tokens`). Every other module that owns trainable parameters (LayerScale, an eval-mode
 BatchNorm or any frozen-statistics norm, a padded Conv2d subclass, an Embedding) records its
 call's arguments and its output gradient in the same forward/backward, and its per-example
 gradients come from torch.func, for that module's own parameters only (`functional`): mixed
@@ -69,6 +70,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 from dpadapter.device import full_fp32
 from dpadapter.train.per_sample.clip import clip_factors
 from dpadapter.train.per_sample.functional import module_grads
+from dpadapter.train.per_sample.tokens import TokenLayout, token_layout
 
 SUPPORTED_LAYERS: tuple[type[nn.Module], ...] = (nn.Linear, nn.Conv2d, nn.GroupNorm, nn.LayerNorm)
 
@@ -147,6 +149,7 @@ class _FuncRecord:
     g: torch.Tensor | None = None
     strategy: str = "torch.func"
     kept: dict[int, torch.Tensor] = field(default_factory=dict)
+    tokens: TokenLayout | None = None  # a ViT's own tokens: a closed form, no replay (tokens)
 
 
 class BookKeepingModule(nn.Module):
@@ -193,6 +196,9 @@ class BookKeepingModule(nn.Module):
             if closed_form(m):
                 self._handles.append(m.register_forward_pre_hook(self._before_layer))
                 self._handles.append(m.register_forward_hook(self._after_layer))
+            elif (layout := token_layout(m)) is not None:
+                self._handles.append(m.register_forward_pre_hook(self._before_tokens(name, layout)))
+                self._handles.append(m.pos_drop.register_forward_pre_hook(self._at_tokens(m)))
             elif _owns_parameters(m):
                 self._handles.append(
                     m.register_forward_pre_hook(self._before_func(name), with_kwargs=True)
@@ -278,6 +284,37 @@ class BookKeepingModule(nn.Module):
                     self._switched_off.append(p)
             args, kwargs = tree_map(_detached, (args, kwargs))
             self.records[module] = _FuncRecord(module, name, args, kwargs, trained)
+
+        return hook
+
+    def _before_tokens(self, name: str, layout: TokenLayout):
+        def hook(module: nn.Module, args: tuple) -> None:
+            if self._replaying or not torch.is_grad_enabled():
+                return
+            what = f"{name or '<root>'} ({type(module).__name__})"
+            trained = self._first_call(module, what, "book-keeping supports one call per model")
+            if trained:
+                self.records[module] = _FuncRecord(
+                    module, name, (), {}, trained, strategy="closed form (tokens)", tokens=layout
+                )
+
+        return hook
+
+    def _at_tokens(self, owner: nn.Module):
+        """At `pos_drop`'s input (the tokens' sum): the output gradient of `_pos_embed`."""
+
+        def hook(module: nn.Module, args: tuple) -> None:
+            rec = self.records.get(owner)
+            if self._replaying or not isinstance(rec, _FuncRecord) or rec.tokens is None:
+                return
+            x = args[0]
+            rec.n = x.shape[0]
+            if x.requires_grad:
+
+                def keep(grad: torch.Tensor) -> None:
+                    rec.g = grad.detach()
+
+                x.register_hook(keep)
 
         return hook
 
@@ -402,6 +439,9 @@ class BookKeepingModule(nn.Module):
         params = {k: p.detach() for k, p in rec.params.items() if id(p) in wanted}
         if not params:
             return {}
+        if rec.tokens is not None:
+            grads = rec.tokens.grads(rec.g, params)
+            return {id(rec.params[k]): v for k, v in grads.items()}
         self._replaying = True
         try:
             grads = module_grads(rec.module, params, rec.args, rec.kwargs, rec.g)
