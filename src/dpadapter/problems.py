@@ -62,17 +62,31 @@ def problem_lines(exc: ConfigError) -> list[str]:
     return [f"{m.group(1)}: {m.group(2)}" for m in map(_LINE.match, str(exc).splitlines()) if m]
 
 
+def key_of(problem: str) -> str:
+    """The dotted key of a `key: text` problem."""
+    return problem.split(":", 1)[0].strip()
+
+
 def section_of(problem: str) -> str | None:
     """The optional section a `key: text` problem belongs to; None for the main grid's."""
-    top = problem.split(":", 1)[0].strip().split(".", 1)[0]
+    top = key_of(problem).split(".", 1)[0]
     return top if top in OPTIONAL else None
+
+
+def needed(problem: str, sections: Iterable[str]) -> bool:
+    """Whether a problem of an optional section concerns `sections`: section names, or keys
+    of one where a stage reads only part of it (the audit reads `federated.laplace`, say)."""
+    key = key_of(problem)
+    return any(key == s or key.startswith(s + ".") for s in sections)
 
 
 def blocking(problems: Iterable[str], sections: Iterable[str] | None) -> list[str]:
     """The problems that stop a run of `sections` (None: every section, as `validate` always
     did): the main grid's always, an optional section's only when it is asked for."""
-    wanted = None if sections is None else set(sections)
-    return [p for p in problems if wanted is None or section_of(p) in (None, *wanted)]
+    if sections is None:
+        return list(problems)
+    wanted = tuple(sections)
+    return [p for p in problems if section_of(p) is None or needed(p, wanted)]
 
 
 def error(problems: list[str], header: str = "invalid config:") -> ConfigError:
@@ -248,7 +262,7 @@ def locate(
                 )
             return f"  {user.name}:{user.line_for(key, text)}: {key}: {text}{note}"
         if best is None:
-            return f"  {user.name}: {key}: {text}{note}"
+            return f"  {user.name}:{user.line_for(key, text)}: {key}: {text}{note}"
         return f"  {best[1]}:{best[2]}: {key}: {text}{note}"
 
     return ConfigError("\n".join(where(line) for line in str(exc).split("\n")))

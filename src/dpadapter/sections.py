@@ -17,17 +17,23 @@ from pathlib import Path
 from typing import Any
 
 from dpadapter.config import Config, ConfigError, config_chain, key_lines
-from dpadapter.problems import OPTIONAL, error, locate, section_of
+from dpadapter.problems import OPTIONAL, error, locate, needed, section_of
 from dpadapter.validation import check
+
+# What the audit reads of `federated` when it audits the federated mechanisms (per client, in
+# client 0 of the federated setting): not the grid's upstreams, strategies or UT estimates.
+AUDIT_READS = ("task", "clients", "dirichlet_alpha", "min_client_size", "split_seed", "rounds")
+AUDIT_READS += ("local_steps", "gaussian", "laplace")
 
 
 def stage_sections(stage: str, raw: dict[str, Any] | None = None) -> tuple[str, ...]:
-    """The optional sections that a job of `stage` (a `python -m dpadapter` subcommand) or a
-    target of the workflow (`hpo`, `federated`, `sweeps`, `audit`, `validity`) reads.
+    """The optional sections (or keys of one) that a job of `stage` (a `python -m dpadapter`
+    subcommand) or a target of the workflow (`hpo`, `federated`, `sweeps`, `audit`,
+    `validity`) reads.
 
     `validate` checks every one; validity reads the HPO and federated summaries; the audit reads
-    `federated` too when it audits federated mechanisms (`audit.federated` of the config `raw`,
-    on by default); the main grid's stages read none.
+    part of `federated` when it audits federated mechanisms (`audit.federated` of the config
+    `raw`, on by default); the main grid's stages read none.
     """
     if stage == "validate":
         return tuple(OPTIONAL)
@@ -35,14 +41,15 @@ def stage_sections(stage: str, raw: dict[str, Any] | None = None) -> tuple[str, 
         return ("hpo", "federated")
     if stage == "audit":
         audit = (raw or {}).get("audit") or {}
-        return ("audit", "federated") if audit.get("federated", True) else ("audit",)
+        reads = tuple(f"federated.{k}" for k in AUDIT_READS)
+        return ("audit", *reads) if audit.get("federated", True) else ("audit",)
     if stage == "sweep-figures":
         return ("sweeps",)
     return (stage,) if stage in OPTIONAL else ()
 
 
-def _header(section: str) -> str:
-    return f"the `{section}` section (run by `{OPTIONAL[section]}`, not by `make run`):"
+# section -> its problems as (problem, the line that says where its fix belongs)
+Deferred = dict[str, list[tuple[str, str]]]
 
 
 def validate_scoped(
@@ -50,12 +57,12 @@ def validate_scoped(
     files: list[str | Path],
     overrides: dict[str, Any] | None = None,
     check_files: bool = False,
-) -> tuple[Config, dict[str, str]]:
-    """The config, and each optional section's problems as a message (located like every other).
+) -> tuple[Config, Deferred]:
+    """The config, and each optional section's problems (located like every other).
 
     Raises ConfigError for a problem of the main grid (what `make run` builds), exactly as
-    `dpadapter.validation.validate_files` does; a section with problems is left out of the
-    raise and returned instead, keyed by its name.
+    `dpadapter.validation.validate_files` does; an optional section's problems are left out of
+    the raise and returned instead, keyed by the section's name.
     """
     for f in files:
         if Path(f).is_file():
@@ -76,26 +83,39 @@ def validate_scoped(
     main = [p for p in problems if section_of(p) is None]
     if main:
         raise at(error(main))
-    deferred = {}
-    for section in OPTIONAL:
-        mine = [p for p in problems if section_of(p) == section]
-        if mine:
-            deferred[section] = str(at(error(mine, _header(section))))
+    rest = [p for p in problems if section_of(p) is not None]
+    lines = str(at(error(rest))).split("\n")[1:] if rest else []
+    if len(lines) != len(rest):  # a problem of several lines: one at a time
+        lines = [str(at(error([p]))).split("\n", 1)[1] for p in rest]
+    deferred: Deferred = {}
+    for p, line in zip(rest, lines, strict=True):
+        deferred.setdefault(section_of(p), []).append((p, line))
     return cfg, deferred
 
 
-def refusal(deferred: dict[str, str], target: str, raw: dict[str, Any]) -> str | None:
-    """The message that stops `target` (see `stage_sections`), or None when its sections are
+def _message(deferred: Deferred, wanted: tuple[str, ...] | None) -> str:
+    parts = []
+    for section, found in deferred.items():
+        lines = [line for p, line in found if wanted is None or needed(p, wanted)]
+        if lines:
+            run = OPTIONAL[section]
+            parts.append(f"the `{section}` section (run by `{run}`, not by `make run`):")
+            parts += lines
+    return "\n".join(parts)
+
+
+def refusal(deferred: Deferred, target: str, raw: dict[str, Any]) -> str | None:
+    """The message that stops `target` (see `stage_sections`), or None when what it reads is
     fine."""
-    found = [deferred[s] for s in stage_sections(target, raw) if s in deferred]
-    return "invalid config: " + "\n".join(found) if found else None
+    text = _message(deferred, stage_sections(target, raw))
+    return f"invalid config: {text}" if text else None
 
 
-def warning(deferred: dict[str, str]) -> str | None:
+def warning(deferred: Deferred) -> str | None:
     """One warning for a run that does not need the broken sections: what waits, and where."""
     if not deferred:
         return None
     return (
         "warning: sections this run does not use do not fit this config; their own targets "
-        "refuse to start until they are fixed. " + "\n".join(deferred.values())
+        "refuse to start until they are fixed:\n" + _message(deferred, None)
     )
