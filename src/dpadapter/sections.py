@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from dpadapter.config import Config, ConfigError, config_chain, key_lines
+from dpadapter.data import resolve_dataset
 from dpadapter.problems import OPTIONAL, error, locate, needed, section_of
 from dpadapter.validation import check
 
@@ -90,6 +91,9 @@ def validate_scoped(
     deferred: Deferred = {}
     for p, line in zip(rest, lines, strict=True):
         deferred.setdefault(section_of(p), []).append((p, line))
+    if rest:  # locating may have read the base alone, its image folders under its data.root
+        for split in (cfg.public, *cfg.tasks.values()):
+            resolve_dataset(split.dataset, cfg.data.root, missing_ok=True, fresh=True)
     return cfg, deferred
 
 
