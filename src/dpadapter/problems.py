@@ -215,7 +215,8 @@ def locate(
     def default_note(key: str) -> str:
         value = _at(defaults, key) if defaults else None
         what = f"the code's default, {_shown(value)}" if value is not None else "a default"
-        return f" (no config file writes {key}: {what} applies; write it in {user.name})"
+        there = f"; write it in {user.name}" if user is not None else ""
+        return f" (no config file writes {key}: {what} applies{there})"
 
     def where(line: str) -> str:
         m = _LINE.match(line)
