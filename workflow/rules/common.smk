@@ -73,6 +73,7 @@ def section_guard(target):
 
     return guard
 
+
 RESULTS = CFG.results_dir
 PYTHON = sys.executable
 UPSTREAMS = list(CFG.upstreams)
