@@ -49,9 +49,10 @@ browser: $(STAMP)
 	else echo "warning: chromium is missing and apt is not usable here (not root): the report's browser test will skip"; \
 	  echo "chromium is missing and apt-get is not usable (not root)" > $(VENV)/.no-chromium; fi
 
+# A config with a published table (`reference:`, e.g. configs/dpsat-table3.yaml) prints it too.
 run: setup
 	$(BIN)/snakemake --cores $(CORES) --configfile $(CONFIG) --rerun-incomplete
-	@cat $(RESULTS)/summary/finetune.md
+	@R=$(RESULTS); cat $$R/summary/finetune.md; if [ -f $$R/summary/reference.md ]; then cat $$R/summary/reference.md; fi
 
 # The Snakemake report of $(CONFIG): every summary table and figure made so far (the main grid, run
 # first if missing; HPO, federated, audit, validity and sweeps once run), with captions.

@@ -37,6 +37,7 @@ include: "workflow/rules/report.smk"
 
 rule all:
     input:
+        section_warning,
         f"{RESULTS}/summary/finetune.csv",
         f"{RESULTS}/summary/finetune.md",
         rules.figures.output,

@@ -56,3 +56,53 @@ def build(tiny_cfg, params: dict):
     method = External(params)
     ctx = UpstreamContext(tiny_cfg, plan, None, None, tiny_cfg.seed, lambda e, s: None)
     return method, method.build(ctx), ctx
+
+
+# Tiny stand-ins for DP-SAT Table 3's backbones (configs/dpsat-table3.yaml): the same timm
+# families at a few thousand weights, RGB 32x32. timm's crossvit_18_240 takes no keyword
+# arguments (it passes its own twice), so its label gets crossvit_9_240 at this size.
+_CROSSVIT = {
+    "img_size": 32,
+    "img_scale": [1.0, 1.0],
+    "patch_size": [8, 16],
+    "embed_dim": [16, 32],
+    "depth": [[1, 1, 0]],
+    "num_heads": [1, 1],
+    "mlp_ratio": [2, 2, 1],
+}
+_VIT = {"img_size": 32, "patch_size": 8, "depth": 1, "embed_dim": 32, "num_heads": 2}
+TABLE3 = {
+    "crossvit-18": ("timm:crossvit_9_240", _CROSSVIT),
+    "vit-s": ("timm:vit_small_patch16_224", _VIT),
+    "deit-b": ("timm:deit_base_patch16_224", _VIT),
+    "crossvit-tiny": ("timm:crossvit_tiny_240", _CROSSVIT),
+    "crossvit-small": ("timm:crossvit_small_240", _CROSSVIT),
+}
+
+
+def save_table3_checkpoints(folder: Path) -> dict[str, dict]:
+    """One weights file per label of DP-SAT Table 3; `pretrain.external` params for each."""
+    folder.mkdir(parents=True, exist_ok=True)
+    out = {}
+    for seed, (label, (name, args)) in enumerate(TABLE3.items()):
+        model = create_model(ModelConfig(name), 1000, 3, seed, timm_args=args).eval()
+        path = save_as(model, folder / f"{label}.pth", "state_dict")
+        out[label] = {"model": name, "weights": {"file": str(path)}, "timm_args": args}
+    return out
+
+
+def write_image_folder(base: Path, classes: int, train: int, val: int, side: int = 32) -> None:
+    """An ImageFolder tree (`imagefolder:` datasets): a colour and a noise level per class."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(classes)
+    for c in range(classes):
+        colour = rng.integers(0, 256, 3)
+        for split, n in (("train", train), ("val", val)):
+            d = base / split / f"c{c:03d}"
+            d.mkdir(parents=True, exist_ok=True)
+            for i in range(n):
+                noise = rng.integers(-40, 40, (side, side, 3))
+                pixels = np.clip(colour + noise, 0, 255).astype("uint8")
+                Image.fromarray(pixels, "RGB").save(d / f"{i}.png")

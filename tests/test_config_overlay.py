@@ -151,15 +151,23 @@ def test_a_json_overlay_is_merged_and_pointed_at_too(in_tmp):
     assert "  top.json:4: finetune.epochs: 'six' is not of type 'integer'" in str(info.value)
 
 
-def test_a_cross_field_problem_points_at_the_base_key_the_overlay_left_alone(in_tmp):
-    """The overlay changes the tasks; the base's federated.task no longer names one."""
+def test_a_cross_field_problem_the_overlay_brings_is_pointed_at_the_overlay(in_tmp):
+    """The overlay changes the tasks; the base's federated.task no longer names one. The fix
+    belongs in the overlay (the base is a shipped file, right on its own): the message points at
+    the overlay's `unset:` and names the base's line that holds the value (issue 36, 2)."""
     top = "base: ../config.yaml\nunset: [tasks.fmnist-shift]\nsweeps: {tasks: [fmnist-same]}\n"
     _overlay(in_tmp, DEFAULT_TEXT, top)
     with pytest.raises(ConfigError) as info:
         load("configs/top.yaml")
     msg = str(info.value)
     fed = _line_of(DEFAULT_TEXT, "  task: fmnist-shift", _line_of(DEFAULT_TEXT, "federated:"))
-    assert f"  config.yaml:{fed}: federated.task: unknown task 'fmnist-shift'" in msg, msg
+    assert "  configs/top.yaml:2: federated.task: unknown task 'fmnist-shift'" in msg, msg
+    assert f"(federated.task is written at config.yaml:{fed}, which this file's changes" in msg
+    assert "set federated.task in configs/top.yaml" in msg, msg
+    # a list item cannot be unset: no such advice for it
+    grid = "  configs/top.yaml:2: finetune.extra_grids.1.tasks: unknown task 'fmnist-shift'"
+    line = next(x for x in msg.splitlines() if x.startswith(grid))
+    assert "unset" not in line.split("(", 1)[1], line
 
 
 def test_a_list_the_overlay_replaces_is_pointed_at_in_the_overlay(in_tmp):

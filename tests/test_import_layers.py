@@ -39,6 +39,8 @@ LAYERS: dict[str, int] = {
     "dpadapter.plots": 0,
     "dpadapter.dvc_sync": 0,
     "dpadapter.fingerprint": 0,
+    "dpadapter.problems": 0,
+    "dpadapter.reruns": 0,
     "dpadapter.privacy": 1,
     "dpadapter.models": 1,
     "dpadapter.data": 1,
@@ -56,6 +58,7 @@ LAYERS: dict[str, int] = {
     "dpadapter.__main__": 6,
     "dpadapter.prefork": 6,
     "dpadapter.validation": 6,
+    "dpadapter.sections": 6,
 }
 ENTRY = 6
 

@@ -12,9 +12,11 @@ import time
 from pathlib import Path
 
 from dpadapter.audit.cli import add_parsers as add_audit_parsers
+from dpadapter.config import read_raw
 from dpadapter.federated.cli import add_parsers as add_federated_parsers
 from dpadapter.hpo.cli import add_parsers as add_hpo_parsers
-from dpadapter.validation import ConfigError, load
+from dpadapter.sections import stage_sections
+from dpadapter.validation import ConfigError, validate_files
 
 
 def _written_since(folder: Path, t0: float) -> list[Path]:
@@ -80,8 +82,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
 
-    try:
-        cfg = load(args.config)
+    try:  # an optional section a stage does not read never stops it (dpadapter.sections)
+        raw = read_raw(args.config)
+        cfg = validate_files(raw, [args.config], sections=stage_sections(args.stage, raw))
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

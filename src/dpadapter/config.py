@@ -519,9 +519,11 @@ def _hpo(d: dict[str, Any]) -> HPOConfig:
     return HPOConfig(**out)
 
 
-def _federated(d: dict[str, Any]) -> FederatedConfig:
+def _federated(d: dict[str, Any], methods: tuple[str, ...]) -> FederatedConfig:
     keys = ("upstreams", "strategies", "mechanisms", "seeds", "rounds_sweep", "sweep_seeds")
     out = _tuplify(d, keys)
+    if "scratch" not in methods:  # the default strategies: scratch only with its checkpoint
+        out.setdefault("strategies", ("ht", "ft", "ut"))
     for m in ("gaussian", "laplace"):
         if m in out:
             mech = _tuplify(out[m], ("epsilons",))
@@ -629,7 +631,7 @@ def from_dict(raw: dict[str, Any], validate: bool = True) -> Config:
         tf32=raw.get("tf32", True),
         reference=_reference(raw.get("reference")),
         hpo=_hpo(raw.get("hpo", {})),
-        federated=_federated(raw.get("federated", {})),
+        federated=_federated(raw.get("federated", {}), tuple(pre.get("methods", DEFAULT_METHODS))),
         sweeps=SweepConfig(
             **_tuplify(raw.get("sweeps", {}), ("gammas", "methods", "tasks", "seeds"))
         ),
@@ -815,8 +817,7 @@ def config_chain(path: str | Path) -> list[Path]:
 
 def uses_base(path: str | Path) -> bool:
     """Whether `path` is an overlay (has a top-level `base:` or `unset:`)."""
-    raw = _read_one(Path(path))
-    return BASE_KEY in raw or UNSET_KEY in raw
+    return bool({BASE_KEY, UNSET_KEY} & set(_read_one(Path(path))))
 
 
 def merge(base: dict[str, Any], overlay: dict[str, Any]) -> dict[str, Any]:
@@ -875,10 +876,7 @@ def read_raw(path: str | Path, overrides: dict[str, Any] | None = None) -> dict[
     A file with `base:` is merged onto its base first (`read_chain`). A key written twice in
     any file of the chain is refused (`key_lines`).
     """
-    raw = read_chain(path)
-    if overrides:
-        raw = {**raw, **overrides}
-    return raw
+    return {**read_chain(path), **(overrides or {})}
 
 
 def read_files(files: list[str | Path], overrides: dict[str, Any] | None = None) -> dict[str, Any]:

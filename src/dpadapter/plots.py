@@ -9,6 +9,7 @@ the summaries and drawn in percent.
 from __future__ import annotations
 
 import math
+import textwrap
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -140,16 +141,32 @@ def robustness_vs_accuracy(
     robust_key: str = "public_test_robust_accuracy",
     gamma_key: str = "gamma",
     noise_std: float | None = None,
+    absent: Mapping[str, str] | None = None,
 ) -> Path:
     """Pre-trained models placed by robust accuracy (x) and accuracy (y), as in the paper's Fig. 6.
 
     One marker shape per method; a point is labelled with its gamma when the row has one, so a
-    gamma sweep of sam and dpadapter reads as two curves through the trade-off.
+    gamma sweep of sam and dpadapter reads as two curves through the trade-off. `absent`: the
+    upstreams with nothing to place (name -> why, e.g. external weights, whose head knows other
+    classes), written under the plot; with no row at all the figure is that note alone, so a
+    config of external upstreams only still gets its figure (and its run finishes).
     """
-    if not rows:
+    if not rows and not absent:
         raise ValueError("robustness_vs_accuracy: no rows to plot")
-    methods = _ordered((r[method_key] for r in rows), upstream_order)
     fig, ax = plt.subplots(figsize=(5.2, 4.2))
+    if absent:
+        from dpadapter.tables import NOT_MEASURED, absence_note
+
+        note = absence_note(absent).removeprefix(f"{NOT_MEASURED}: ")
+        note = textwrap.fill(note[0].upper() + note[1:], 70)
+        if rows:
+            fig.text(0.02, -0.02, note, fontsize="small", va="top", wrap=True)
+        else:
+            ax.axis("off")
+            ax.text(0.5, 0.5, note, ha="center", va="center", fontsize="small")
+            ax.set_title("Pre-trained models: robustness vs accuracy")
+            return _save(fig, out)
+    methods = _ordered((r[method_key] for r in rows), upstream_order)
     for i, method in enumerate(methods):
         mine = [r for r in rows if str(r[method_key]) == method]
         xs = [_pct(r[robust_key]) for r in mine]

@@ -116,6 +116,33 @@ def how_to_read(
     return text
 
 
+# A cell that has no value by design (not a job that has not run, which is "–").
+NOT_MEASURED = "n/a"
+
+
+def public_absence(pretrain_metrics: Mapping[str, object]) -> str | None:
+    """Why a pre-training job reports no public accuracy (its `public_report`); None if it does.
+
+    External weights come with a head trained on other classes, so there is nothing to
+    measure; a table that shows a bare dash leaves the reader guessing whether a job failed.
+    """
+    if "public_test_accuracy" in pretrain_metrics:
+        return None
+    why = str(pretrain_metrics.get("public_report") or "the pre-training job reported none")
+    return why.removeprefix("skipped: ")
+
+
+def absence_note(absent: Mapping[str, str], what: str = "public accuracy") -> str:
+    """The line under a table that says which rows have no `what`, and why (grouped by reason)."""
+    if not absent:
+        return ""
+    by_reason: dict[str, list[str]] = {}
+    for name, why in absent.items():
+        by_reason.setdefault(why, []).append(name)
+    parts = [f"{', '.join(names)}: {why}" for why, names in by_reason.items()]
+    return f"{NOT_MEASURED}: no {what} is measured for " + "; ".join(parts) + "."
+
+
 def _cell(key: str, value):
     if key == "epsilon":
         return f"{value:g}"  # a grid coordinate, as in the paths (eps1, eps0.5)

@@ -41,6 +41,7 @@ from urllib.parse import unquote, urlsplit
 
 from dpadapter.config import Config, TrackingConfig
 from dpadapter.identity import config_hash, run_prefix
+from dpadapter.reruns import SLOT_TAG, mark_replaced, number, runs_tagged, slot
 
 SQLITE_TIMEOUT_S = 60
 # How long `auto` waits for a tracking server to accept a connection before running untracked.
@@ -451,21 +452,9 @@ def job(cfg: Config, stage: str, wildcards: dict[str, str]) -> Job:
         "results_dir": cfg.results_dir,
         **{_TAG_OF.get(k, k): str(v) for k, v in wildcards.items()},
         JOB_TAG: "/".join([h, stage, *map(str, wildcards.values())]),
+        SLOT_TAG: slot(cfg.results_dir, stage, wildcards),  # a rerun is numbered (reruns)
     }
     return Job(run_name(stage, wildcards), tags, f"{h}/{family}", f"{family} · {run_prefix(cfg)}")
-
-
-def _quoted(value: str) -> str:
-    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
-
-
-def _runs_tagged(client, exp_id: str, tag: str, value: str, extra: str = "") -> list:
-    return client.search_runs(
-        [exp_id],
-        filter_string=f"tags.`{tag}` = {_quoted(value)}{extra}",
-        max_results=1000,
-        order_by=["attributes.start_time ASC"],
-    )
 
 
 def group_run(exp_id: str, key: str, name: str, tags: dict[str, str], uri: str) -> str:
@@ -479,13 +468,13 @@ def group_run(exp_id: str, key: str, name: str, tags: dict[str, str], uri: str) 
 
     client = mlflow.MlflowClient()
     with _file_lock(_lock_path(uri)):
-        found = _runs_tagged(client, exp_id, GROUP_TAG, key)
+        found = runs_tagged(client, exp_id, GROUP_TAG, key)
         if found:
             return found[0].info.run_id
         run = client.create_run(exp_id, run_name=name, tags={**tags, GROUP_TAG: key})
         client.set_terminated(run.info.run_id, status="FINISHED")
     if _lock_path(uri) is None:
-        oldest = _runs_tagged(client, exp_id, GROUP_TAG, key)[0].info.run_id
+        oldest = runs_tagged(client, exp_id, GROUP_TAG, key)[0].info.run_id
         if oldest != run.info.run_id:
             client.delete_run(run.info.run_id)
         return oldest
@@ -497,7 +486,7 @@ def end_stale_runs(experiment_id: str, job_key: str, keep: str | None = None) ->
     import mlflow
 
     client = mlflow.MlflowClient()
-    stale = _runs_tagged(
+    stale = runs_tagged(
         client, experiment_id, JOB_TAG, job_key, " and attributes.status = 'RUNNING'"
     )
     ended = []
@@ -589,7 +578,10 @@ def _open(
     if parent is not None:
         tags["mlflow.parentRunId"] = parent
     end_stale_runs(exp_id, tags[JOB_TAG])
-    return mlflow.start_run(experiment_id=exp_id, run_name=run_name, tags=tags)
+    run_name, tags, earlier = number(mlflow.MlflowClient(), exp_id, run_name, tags)
+    run = mlflow.start_run(experiment_id=exp_id, run_name=run_name, tags=tags)
+    mark_replaced(mlflow.MlflowClient(), earlier, run.info.run_id)
+    return run
 
 
 @contextlib.contextmanager

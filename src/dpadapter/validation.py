@@ -30,7 +30,6 @@ from dpadapter.config import (
     base_schema,
     config_chain,
     key_lines,
-    locate,
     read_raw,
     validate_raw,
 )
@@ -39,6 +38,7 @@ from dpadapter.data import DATASET_INFO, family_of, missing_files, resolve_datas
 from dpadapter.param_schema import param_errors
 from dpadapter.privacy import max_reachable_epsilon
 from dpadapter.privacy.calibration import SIGMA_MIN
+from dpadapter.problems import blocking, error, locate
 from dpadapter.upstream.resolve import EXTERNAL, known_names, resolve
 from dpadapter.upstream.variants import format_variant, parse_variant
 
@@ -88,12 +88,24 @@ def _full_schema() -> dict[str, Any]:  # parsing the schema's YAML costs 0.1 s; 
     return schema
 
 
-def validate(raw: dict[str, Any], check_files: bool = False) -> Config:
+def validate(
+    raw: dict[str, Any], check_files: bool = False, sections: tuple[str, ...] | None = None
+) -> Config:
     """Schema (with the registries' params schemas), parsing, then every cross-field check.
 
     `check_files` also looks for each dataset's files (the workflow does; a job's CLI does not,
-    as its loader reports missing files itself).
+    as its loader reports missing files itself). `sections`: the optional sections whose
+    problems count (`dpadapter.problems.blocking`; None: all of them).
     """
+    cfg, problems = check(raw, check_files)
+    problems = blocking(problems, sections)
+    if problems:
+        raise error(problems)
+    return cfg
+
+
+def check(raw: dict[str, Any], check_files: bool = False) -> tuple[Config, list[str]]:
+    """The parsed config and every cross-field problem (`key: text`); schema errors raise."""
     raw = copy.deepcopy(raw)
     validate_raw(raw, _full_schema())
     cfg = _parse(raw, validate=False)
@@ -109,17 +121,18 @@ def validate(raw: dict[str, Any], check_files: bool = False) -> Config:
     if check_files:
         problems += file_problems(cfg)
         problems += weight_problems(cfg)
-    if not problems:  # the backbone is built (on the meta device) only from a sound config
-        problems += _backbone_problems(cfg, check_files)
-    if problems:
-        raise ConfigError("invalid config:\n" + "\n".join(f"  {p}" for p in problems))
-    return cfg
+    if not blocking(problems, ()):  # the backbone is built (on the meta device) only from a
+        problems += _backbone_problems(cfg, check_files)  # main grid without problems
+    return cfg, problems
 
 
 def load(
-    path: str | Path, overrides: dict[str, Any] | None = None, check_files: bool = False
+    path: str | Path,
+    overrides: dict[str, Any] | None = None,
+    check_files: bool = False,
+    sections: tuple[str, ...] | None = None,
 ) -> Config:
-    return validate_files(read_raw(path, overrides), [path], overrides, check_files)
+    return validate_files(read_raw(path, overrides), [path], overrides, check_files, sections)
 
 
 def validate_files(
@@ -127,8 +140,10 @@ def validate_files(
     files: list[str | Path],
     overrides: dict[str, Any] | None = None,
     check_files: bool = False,
+    sections: tuple[str, ...] | None = None,
 ) -> Config:
-    """`validate` for `raw` merged from `files` (and `overrides`), the problems pointed at lines.
+    """`validate` for `raw` merged from `files` (and `overrides`), each problem pointed at the
+    file and line where its fix belongs (`dpadapter.problems.locate`).
 
     Each file (and each `base:` it builds on) is read again for its key lines: whoever loaded
     `raw` (Snakemake's `--configfile` loader, PyYAML) kept the later of two equal keys silently,
@@ -141,9 +156,14 @@ def validate_files(
                 if part.suffix != ".json":
                     key_lines(part)
     try:
-        return validate(raw, check_files=check_files)
+        cfg, problems = check(raw, check_files)
     except ConfigError as exc:
         raise locate(exc, files, overrides) from None
+    problems = blocking(problems, sections)
+    if problems:
+        own = functools.partial(check, check_files=check_files)  # the base's own problems
+        raise locate(error(problems), files, overrides, own=own, defaults=cfg.to_dict())
+    return cfg
 
 
 def variant_problems(

@@ -47,3 +47,68 @@ def test_main_and_sweep_figures(tmp_path):
     assert [(r["gamma"], r["n_seeds"]) for r in rows] == [("0.5", "4")]
     assert (out / "gamma_sweep.png").stat().st_size > 1000
     assert (out / "sam_vs_dpadapter.png").stat().st_size > 1000
+
+
+WHY = "skipped: external weights come with a head trained on other classes than the public set's"
+
+
+def _grid(tmp_path, upstreams):
+    """Pre-training metrics (external ones without a public accuracy) and one fine-tuning cell."""
+    ft, pre = [], []
+    for up, acc in upstreams:
+        measured = (
+            {}
+            if acc is None
+            else {"public_test_accuracy": acc, "public_test_robust_accuracy": acc - 0.1}
+        )
+        pre.append(
+            _metrics(
+                tmp_path / "pre" / up / "metrics.json",
+                wildcards={"upstream": up},
+                hyperparameters={},
+                **(measured or {"public_report": WHY}),
+            )
+        )
+        ft.append(
+            _metrics(
+                tmp_path / "ft" / up / "metrics.json",
+                wildcards={"upstream": up, "task": "t", "algo": "dpsgd", "eps": "1"},
+                test_accuracy=0.5,
+                test_robust_accuracy=0.4,
+                privacy={"epsilon": 0.9},
+            )
+        )
+    return ft, pre  # fmt: skip
+
+
+def test_a_grid_of_external_upstreams_only_gets_its_figures_and_says_why(tmp_path):
+    """Issue 36, 1: with no public accuracy to place, `figures` raised (no rows to plot) and
+    Snakemake deleted the figures it had made; the run of such a config could not finish."""
+    ft, pre = _grid(tmp_path, [("vit", None), ("resnet", None)])
+    aggregate.run(ft, pre, ["vit", "resnet"], tmp_path / "f.csv", tmp_path / "f.md")
+    written = figures.main_figures(tmp_path / "f.csv", pre, ["vit", "resnet"], tmp_path / "out")
+    assert [p.name for p in written] == [
+        "accuracy_vs_epsilon_dpsgd.png",
+        "robustness_vs_accuracy.png",
+    ]
+    assert all(p.stat().st_size > 1000 for p in written)
+    rob = list(csv.DictReader(open(tmp_path / "out" / "robustness_vs_accuracy.csv")))
+    assert [(r["upstream"], r["public_test_accuracy"]) for r in rob] == [
+        ("vit", ""),
+        ("resnet", ""),
+    ]
+    assert all(r["note"].startswith("external weights come with a head") for r in rob)
+    md = (tmp_path / "f.md").read_text()
+    assert "| dpsgd | vit | 50.0 (n=1)† | 50.0 | n/a | n/a |" in md, md
+    assert "n/a: no public accuracy is measured for vit, resnet: external weights" in md, md
+
+
+def test_a_mixed_grid_places_what_it_measured_and_names_the_rest(tmp_path):
+    ft, pre = _grid(tmp_path, [("scratch", 0.3), ("vit", None)])
+    aggregate.run(ft, pre, ["scratch", "vit"], tmp_path / "f.csv", tmp_path / "f.md")
+    figures.main_figures(tmp_path / "f.csv", pre, ["scratch", "vit"], tmp_path / "out")
+    rob = list(csv.DictReader(open(tmp_path / "out" / "robustness_vs_accuracy.csv")))
+    assert [(r["upstream"], r["public_test_accuracy"]) for r in rob] == [
+        ("scratch", "0.3"),
+        ("vit", ""),
+    ]

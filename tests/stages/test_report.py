@@ -78,5 +78,54 @@ def test_upstream_and_speed_tables(tmp_path):
         p.write_text(json.dumps({"wildcards": {"algo": "dpsgd"}, "wall_time_s": t}))
         ft.append(p)
     rows = _parse(report.page(report.speed_markdown(ft, paths), "s", "")).rows
-    assert ["finetune", "dpsgd", "3.0 ± 1.4 (n=2)"] in rows
-    assert ["pretrain", "standard", "10.0 (n=1)†"] in rows
+    assert ["finetune", "", "dpsgd", "3.0 ± 1.4 (n=2)"] in rows
+    assert ["pretrain", "", "standard", "10.0 (n=1)†"] in rows
+
+
+def _metrics(tmp_path, name, payload):
+    p = tmp_path / f"{name}.json"
+    p.write_text(json.dumps(payload))
+    return p
+
+
+def test_an_external_upstream_says_why_it_has_no_public_accuracy(tmp_path):
+    """Issue 36, 8: a bare "–" read as a failed job; the note gives the pre-training job's own
+    reason (its metrics.json `public_report`)."""
+    why = "skipped: external weights come with a head trained on other classes than the public"
+    paths = [
+        _metrics(tmp_path, "vit", {"wildcards": {"upstream": "vit"}, "public_report": why}),
+        _metrics(tmp_path, "std", {"wildcards": {"upstream": "standard"},
+                                   "public_test_accuracy": 0.9,
+                                   "public_test_robust_accuracy": 0.8}),
+    ]  # fmt: skip
+    md = report.upstream_markdown(paths, ["standard", "vit"])
+    cells = _parse(report.page(md, "u", "")).rows
+    assert cells[2] == ["vit", "n/a", "n/a", "n/a"], cells
+    assert "n/a: no public accuracy is measured for vit: external weights come with a head" in md
+
+
+def test_speed_is_grouped_per_backbone(tmp_path):
+    """Issue 36, 8: one mean over a ViT's and a CNN's jobs (76 ± 136 s) described neither."""
+    ft = [
+        _metrics(tmp_path, f"ft{i}", {"wildcards": {"upstream": up, "algo": "dpsgd"},
+                                      "wall_time_s": t})
+        for i, (up, t) in enumerate((("vit", 200.0), ("vit", 220.0), ("cnn", 2.0), ("cnn", 4.0)))
+    ]  # fmt: skip
+    nets = {"vit": "timm:vit_small_patch16_224", "cnn": "cnn-gn"}
+    rows = _parse(report.page(report.speed_markdown(ft, [], nets.get), "s", "")).rows
+    assert rows[0] == ["Stage", "Backbone", "Algorithm / method", "wall time per job (s)"]
+    assert ["finetune", "cnn-gn", "dpsgd", "3.0 ± 1.4 (n=2)"] in rows, rows
+    assert ["finetune", "timm:vit_small_patch16_224", "dpsgd", "210.0 ± 14.1 (n=2)"] in rows
+
+
+def test_the_backbone_of_an_upstream_is_its_external_model_else_the_configs(tiny_raw):
+    from dpadapter.config import from_dict
+
+    tiny_raw["pretrain"] = {
+        "methods": ["scratch", "vit"],
+        "external": {"vit": {"model": "timm:vit_tiny_patch16_224", "weights": {"hub": True}}},
+    }
+    cfg = from_dict(tiny_raw)
+    assert report.backbone_of(cfg, "vit") == "timm:vit_tiny_patch16_224"
+    assert report.backbone_of(cfg, "scratch") == report.backbone_of(cfg, "dpadapter+gamma=1")
+    assert report.backbone_of(cfg, "scratch") == "cnn-gn"

@@ -61,4 +61,5 @@ rule audit_summary:
 rule audit:
     """Target: every algorithm x epsilon audited, and the table (not part of `all`)."""
     input:
+        section_guard("audit"),
         rules.audit_summary.output,

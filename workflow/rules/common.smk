@@ -14,6 +14,7 @@ from dpadapter import config as _config
 from dpadapter import dvc_sync as _dvc_sync
 from dpadapter import identity as _identity
 from dpadapter import prefork as _prefork
+from dpadapter import sections as _sections
 from dpadapter import tracking as _tracking
 from dpadapter import validation as _validation
 from dpadapter.fingerprint import stage_fingerprint
@@ -33,17 +34,45 @@ logging.root.handlers.clear()
 # Snakemake loaded only the overlay, so `config` is rebuilt from the merged chain (and --config
 # on top) before anything reads it; rules see the merged dict. A plain file leaves `config`
 # exactly as Snakemake loaded it.
+# The optional sections (hpo, federated, sweeps, audit) never stop `make run`: their problems are
+# said once as a warning (`section_warning`) and stop only their own targets, through
+# `section_guard` in an input of each target rule (dpadapter.sections).
 _OVERRIDES = dict(workflow.config_settings.config)
 try:
     if any(_config.uses_base(f) for f in workflow.configfiles):
         _merged = _config.read_files(workflow.configfiles, _OVERRIDES)
         config.clear()
         config.update(_merged)
-    CFG = _validation.validate_files(
+    CFG, DEFERRED = _sections.validate_scoped(
         config, workflow.configfiles, _OVERRIDES, check_files=True
     )
 except _validation.ConfigError as exc:
     raise SystemExit(str(exc)) from None
+_WARNED = []
+
+
+def section_warning(wildcards):
+    """An input function of `all` and `report_all`: the sections they do not need but that have
+    problems, said once (the targets are not known while the workflow is parsed)."""
+    if DEFERRED and not _WARNED and workflow.is_main_process:
+        _WARNED.append(True)
+        print(_sections.warning(DEFERRED), file=sys.stderr)
+    return []
+
+
+def section_guard(target):
+    """An input function of an optional section's target: it stops the run before any job
+    while a section that target needs has problems (SystemExit prints them once, as the
+    config's own problems are printed above)."""
+
+    def guard(wildcards):
+        refused = _sections.refusal(DEFERRED, target, config)
+        if refused:
+            raise SystemExit(refused)
+        return []
+
+    return guard
+
 
 RESULTS = CFG.results_dir
 PYTHON = sys.executable

@@ -73,4 +73,5 @@ rule federated_summary:
 rule federated:
     """Target: the whole federated grid and its summary (not part of `all`)."""
     input:
+        section_guard("federated"),
         rules.federated_summary.output,

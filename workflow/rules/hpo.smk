@@ -269,4 +269,5 @@ rule hpo_summary:
 rule hpo:
     """Target: the HPO comparison (not part of `all`), in the configured hpo.regime."""
     input:
+        section_guard("hpo"),
         _hpo_target,

@@ -83,5 +83,6 @@ for _summary, _rule in (
 rule report_all:
     """Target of `make report`: every page and figure of the report, brought up to date."""
     input:
+        section_warning,
         [f"{RESULTS}/report/{p}.html" for p in REPORT_PAGES],
         REPORT_FIGURES,

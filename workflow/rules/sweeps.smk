@@ -17,6 +17,7 @@ SWEEP_FINETUNE = [
 rule sweeps:
     """Fig. 5 (gamma sweep) and Fig. 6 (SAM vs DPAdapter, + standard) analogues."""
     input:
+        section_guard("sweeps"),
         pretrain=expand(f"{RESULTS}/pretrain/{{u}}/metrics.json", u=SWEEP_UPSTREAMS + ["standard"]),
         finetune=SWEEP_FINETUNE,
     output:

@@ -6,6 +6,7 @@
 rule validity:
     """results/summary/validity.md from the HPO, federated and fine-tuning summaries."""
     input:
+        section_guard("validity"),
         hpo=f"{RESULTS}/summary/hpo.json",
         rule=f"{RESULTS}/summary/federated_rule.json",
         finetune=f"{RESULTS}/summary/finetune.csv",

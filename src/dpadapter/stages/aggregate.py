@@ -7,7 +7,16 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
-from dpadapter.tables import Stat, cell, flagged_cells, how_to_read, write_csv
+from dpadapter.tables import (
+    NOT_MEASURED,
+    Stat,
+    absence_note,
+    cell,
+    flagged_cells,
+    how_to_read,
+    public_absence,
+    write_csv,
+)
 
 COLUMNS = [
     "upstream",
@@ -82,6 +91,7 @@ def table1_markdown(
     )
     if pretrain:
         head += ["public acc", "public robust acc"]
+    absent: dict[str, str] = {}
     lines = [
         "Test accuracy (%) of DP fine-tuning, mean ± std over seeds (n = seeds); Average: the "
         "mean of the task means.",
@@ -103,14 +113,21 @@ def table1_markdown(
                     f"{100 * statistics.fmean(vals):.1f}" if len(vals) == len(tasks) else "–"
                 )
             if pretrain:
-                # one pre-training run per upstream method; none reported for external weights
-                p = pretrain.get(u, {})
-                p = p if "public_test_accuracy" in p else {}
-                cells += [
-                    cell(Stat(p["public_test_accuracy"], 0.0, 1)) if p else "–",
-                    cell(Stat(p["public_test_robust_accuracy"], 0.0, 1)) if p else "–",
-                ]
+                # one pre-training run per upstream method; none measured for external weights
+                p = pretrain.get(u)
+                if p is None:
+                    cells += ["–", "–"]
+                elif public_absence(p) is not None:
+                    absent[u] = public_absence(p)
+                    cells += [NOT_MEASURED, NOT_MEASURED]
+                else:
+                    cells += [
+                        cell(Stat(p["public_test_accuracy"], 0.0, 1)),
+                        cell(Stat(p["public_test_robust_accuracy"], 0.0, 1)),
+                    ]
             lines.append(f"| {a} | {u} | " + " | ".join(cells) + " |")
+    if absent:
+        lines += ["", absence_note(absent)]
     lines += ["", how_to_read(), ""]
     rob = sorted(
         {(r["algorithm"], r["upstream"]) for r in rows},

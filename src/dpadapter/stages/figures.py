@@ -9,6 +9,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from dpadapter import plots
+from dpadapter.tables import public_absence
 from dpadapter.upstream.variants import parse_variant
 
 
@@ -21,11 +22,22 @@ def _write_csv(rows: list[dict], path: Path) -> None:
         w.writerows(rows)
 
 
+def _absent(paths: list[Path]) -> dict[str, str]:
+    """Upstreams with no public accuracy to place (external weights), and why."""
+    out = {}
+    for p in paths:
+        m = json.loads(Path(p).read_text())
+        why = public_absence(m)
+        if why is not None:
+            out[m["wildcards"]["upstream"]] = why
+    return out
+
+
 def _pretrain_rows(paths: list[Path]) -> list[dict]:
     rows = []
     for p in paths:
         m = json.loads(Path(p).read_text())
-        if "public_test_accuracy" not in m:
+        if public_absence(m) is not None:
             continue  # external weights report no public accuracy (stages/pretrain.py)
         name = m["wildcards"]["upstream"]
         method, overrides = parse_variant(name)
@@ -59,14 +71,17 @@ def main_figures(
                 upstream_order=upstream_order,
             )
         )
-    pre = _pretrain_rows(pretrain_paths)
-    _write_csv(pre, out_dir / "robustness_vs_accuracy.csv")
+    pre, absent = _pretrain_rows(pretrain_paths), _absent(pretrain_paths)
+    # every upstream has a row; one with nothing measured says why in `note`
+    gaps = [{"upstream": u, "public_test_accuracy": "", "note": why} for u, why in absent.items()]
+    _write_csv(pre + gaps, out_dir / "robustness_vs_accuracy.csv")
     written.append(
         plots.robustness_vs_accuracy(
             pre,
             out_dir / "robustness_vs_accuracy.png",
             upstream_order=upstream_order,
             method_key="upstream",
+            absent=absent,
         )
     )
     return written

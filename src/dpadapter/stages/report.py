@@ -16,10 +16,19 @@ import html
 import json
 import re
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
 from dpadapter.config import Config
-from dpadapter.tables import SINGLE, Stat, cell, how_to_read
+from dpadapter.tables import (
+    NOT_MEASURED,
+    SINGLE,
+    Stat,
+    absence_note,
+    cell,
+    how_to_read,
+    public_absence,
+)
 
 _ACCOUNTANTS = {"prv": "PRV accountant (Opacus)", "rdp": "RDP accountant (Opacus)"}
 
@@ -104,37 +113,61 @@ def upstream_markdown(pretrain: list[Path], order: list[str]) -> str:
         "| Upstream | public acc | public robust acc | robust − plain |",
         "|---|---|---|---|",
     ]
+    absent: dict[str, str] = {}
     for u in names:
         m = by[u]
-        if "public_test_accuracy" not in m:  # external weights: their head is not the public one
-            lines.append(f"| {u} | – | – | – |")
+        if public_absence(m) is not None:  # external weights: their head is not the public one
+            absent[u] = public_absence(m)
+            lines.append(f"| {u} | {NOT_MEASURED} | {NOT_MEASURED} | {NOT_MEASURED} |")
             continue
         a, r = m["public_test_accuracy"], m["public_test_robust_accuracy"]
         lines.append(
             f"| {u} | {cell(Stat(a, 0.0, 1))} | {cell(Stat(r, 0.0, 1))} | {100 * (r - a):+.1f} |"
         )
+    if absent:
+        lines += ["", absence_note(absent)]
     lines += ["", how_to_read("accuracy (%)", "pre-training runs", upper_bounds=False)]
     return "\n".join(lines) + "\n"
 
 
-def speed_markdown(finetune: list[Path], pretrain: list[Path]) -> str:
-    """Wall time of the training jobs (seconds, from each job's metrics.json)."""
-    groups: dict[tuple[str, str], list[float]] = defaultdict(list)
+def backbone_of(cfg: Config, upstream: str) -> str:
+    """The model an upstream's jobs train: an external upstream's own, else `model.name`."""
+    from dpadapter.upstream.resolve import EXTERNAL, resolve
+
+    try:
+        entry, params, _ = resolve(upstream, cfg.upstream_params, cfg.external_upstreams)
+    except (KeyError, ValueError):
+        return cfg.model.name
+    return str(params.get("model", cfg.model.name)) if entry.name == EXTERNAL else cfg.model.name
+
+
+def speed_markdown(
+    finetune: list[Path], pretrain: list[Path], backbone: Callable[[str], str] | None = None
+) -> str:
+    """Wall time of the training jobs (seconds, from each job's metrics.json), per backbone.
+
+    A ViT and a small CNN differ by orders of magnitude, so one mean over both describes
+    neither: jobs are grouped by the model they train (`backbone` maps an upstream name to it).
+    """
+    model = backbone or (lambda u: "")
+    groups: dict[tuple[str, str, str], list[float]] = defaultdict(list)
     for m in _metrics(pretrain):
-        groups[("pretrain", m["wildcards"]["upstream"])].append(m["wall_time_s"])
+        up = m["wildcards"]["upstream"]
+        groups[("pretrain", model(up), up)].append(m["wall_time_s"])
     for m in _metrics(finetune):
-        groups[("finetune", m["wildcards"]["algo"])].append(m["wall_time_s"])
+        w = m["wildcards"]
+        groups[("finetune", model(w.get("upstream", "")), w["algo"])].append(m["wall_time_s"])
     lines = [
         "Wall time (s) of one training job, mean ± std over the jobs of each kind (every "
-        "upstream method, task, ε and seed of that algorithm), as it ran under `make run` "
-        "(jobs share the machine, so this is the time a user waits, not an isolated "
-        "benchmark; docs/speed.md has those).",
+        "upstream method on that backbone, task, ε and seed of that algorithm), as it ran "
+        "under `make run` (jobs share the machine, so this is the time a user waits, not an "
+        "isolated benchmark; docs/speed.md has those).",
         "",
-        "| Stage | Algorithm / method | wall time per job (s) |",
-        "|---|---|---|",
+        "| Stage | Backbone | Algorithm / method | wall time per job (s) |",
+        "|---|---|---|---|",
     ]
-    for (stage, name), ts in sorted(groups.items()):
-        lines.append(f"| {stage} | {name} | {cell(Stat.of(ts), scale=1.0, digits=1)} |")
+    for (stage, net, name), ts in sorted(groups.items()):
+        lines.append(f"| {stage} | {net} | {name} | {cell(Stat.of(ts), scale=1.0, digits=1)} |")
     lines += ["", how_to_read("wall time (s)", "jobs", upper_bounds=False)]
     return "\n".join(lines) + "\n"
 
@@ -155,7 +188,7 @@ def run(
     elif kind == "upstream":
         md = upstream_markdown(inputs, list(cfg.upstreams))
     elif kind == "speed":
-        md = speed_markdown(inputs, pretrain or [])
+        md = speed_markdown(inputs, pretrain or [], lambda u: backbone_of(cfg, u))
     else:
         raise ValueError(f"unknown report page kind {kind!r}")
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,269 @@
+"""Where a config problem's fix belongs, and which section of the pipeline it stands in the way of.
+
+A problem is a line `  key: message` of a ConfigError. Two questions are answered here, both
+without the registries (`dpadapter.validation` finds the problems, `dpadapter.sections` applies
+the answers in the workflow and the jobs):
+
+- Where to fix it (`locate`). A user's overlay names only what differs from its base, so the
+  line that holds a key is often not where the fix belongs: an overlay that replaces
+  `pretrain.methods` makes the base's `hpo.upstreams: [standard]` wrong, and pointing at the
+  base (a shipped file the user did not write) sends them to the wrong file. A problem that the
+  base has on its own is pointed at the base; one the overlay brings is pointed at the overlay,
+  at the line of the key the message names there, else at the overlay's section or `unset:`.
+  A key no file writes (a default of the code) is said to be one, with its value.
+- Which section it belongs to (`section_of`). `hpo`, `federated`, `sweeps` and `audit` are run
+  by their own targets (`make hpo`, ...), never by `make run`: their problems wait for those
+  targets instead of stopping the main grid.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from dpadapter.config import (
+    BASE_KEY,
+    UNSET_KEY,
+    ConfigError,
+    _override_holds,
+    config_chain,
+    key_lines,
+    key_origins,
+    merge,
+    read_chain,
+    read_files,
+    shown_path,
+)
+
+# Sections run only by their own targets (workflow/rules/<section>.smk), with the make target
+# that runs each.
+OPTIONAL = {
+    "hpo": "make hpo",
+    "federated": "make federated",
+    "sweeps": "make sweeps",
+    "audit": "make audit",
+}
+
+# A problem line of a ConfigError: two spaces, a dotted key (or `<top level>`), ": ", the text.
+_LINE = re.compile(r"^  (<top level>|[^\s:]+): (.*)$")
+# Dotted keys a message names (`pretrain.methods`), to find the one the overlay wrote.
+_KEY = re.compile(r"\b[a-z_]+(?:\.[A-Za-z0-9_-]+)+\b")
+_REQUIRED = re.compile(r"^'([^']+)' is a required property")
+
+
+def problem_lines(exc: ConfigError) -> list[str]:
+    """The problems of `exc` as `key: text` lines (the header and any continuation dropped)."""
+    return [f"{m.group(1)}: {m.group(2)}" for m in map(_LINE.match, str(exc).splitlines()) if m]
+
+
+def key_of(problem: str) -> str:
+    """The dotted key of a `key: text` problem."""
+    return problem.split(":", 1)[0].strip()
+
+
+def section_of(problem: str) -> str | None:
+    """The optional section a `key: text` problem belongs to; None for the main grid's."""
+    top = key_of(problem).split(".", 1)[0]
+    return top if top in OPTIONAL else None
+
+
+def needed(problem: str, sections: Iterable[str]) -> bool:
+    """Whether a problem of an optional section concerns `sections`: section names, or keys
+    of one where a stage reads only part of it (the audit reads `federated.laplace`, say)."""
+    key = key_of(problem)
+    return any(key == s or key.startswith(s + ".") for s in sections)
+
+
+def blocking(problems: Iterable[str], sections: Iterable[str] | None) -> list[str]:
+    """The problems that stop a run of `sections` (None: every section, as `validate` always
+    did): the main grid's always, an optional section's only when it is asked for."""
+    if sections is None:
+        return list(problems)
+    wanted = tuple(sections)
+    return [p for p in problems if section_of(p) is None or needed(p, wanted)]
+
+
+def error(problems: list[str], header: str = "invalid config:") -> ConfigError:
+    return ConfigError(header + "\n" + "\n".join(f"  {p}" for p in problems))
+
+
+def without_overlay(files: list[str | Path], overrides: dict[str, Any] | None) -> dict | None:
+    """The merged config as it is without the last file's own layer (its bases kept); None when
+    that file is no overlay (it has no `base:`), so there is nothing to tell apart."""
+    if not files:
+        return None
+    chain = config_chain(files[-1])
+    if len(chain) < 2:
+        return None
+    raw = merge(read_files(list(files[:-1])), read_chain(chain[-2]))
+    return merge(raw, dict(overrides or {}))
+
+
+def _at(tree: Any, key: str) -> Any:
+    for part in key.split("."):
+        if not isinstance(tree, dict) or part not in tree:
+            return None
+        tree = tree[part]
+    return tree
+
+
+def _problems(check: Callable[[dict[str, Any]], tuple[Any, list[str]]], raw: dict) -> set[str]:
+    """Every problem `check` finds in `raw`, schema errors included."""
+    try:
+        return set(check(raw)[1])
+    except ConfigError as exc:
+        return set(problem_lines(exc))
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, tuple | list):
+        return "[" + ", ".join(str(v) for v in value) + "]"
+    return json.dumps(value) if isinstance(value, dict) else str(value)
+
+
+class _User:
+    """The file the user ran (the last of `files`): its own keys' lines and its `unset:` list."""
+
+    def __init__(self, path: str | Path):
+        self.name = shown_path(path)
+        self.lines: dict[str, int] = {}
+        self.unset: list[str] = []
+        self.overlay = False
+        with contextlib.suppress(OSError, yaml.YAMLError, ConfigError):
+            self.lines = key_lines(path)
+            self.overlay = BASE_KEY in self.lines or UNSET_KEY in self.lines
+            raw = yaml.safe_load(Path(path).read_text()) or {}
+            unset = raw.get(UNSET_KEY) if isinstance(raw, dict) else None
+            self.unset = [k for k in unset or () if isinstance(k, str)]
+
+    def line_for(self, key: str, text: str) -> int:
+        """The line of this file where `key`'s problem is fixed: a key the message names that
+        this file writes, else the file's own entry for the key's section, else the `unset:`
+        that removed it (or any `unset:`), else `base:`, else line 1."""
+        named = [k for k in _KEY.findall(text) if k in self.lines and k != key]
+        if named:
+            return self.lines[named[0]]
+        parts = key.split(".")
+        for depth in range(len(parts), 0, -1):
+            if ".".join(parts[:depth]) in self.lines:
+                return self.lines[".".join(parts[:depth])]
+        for name in (UNSET_KEY, BASE_KEY):
+            if name in self.lines:
+                return self.lines[name]
+        return 1
+
+    def unset_of(self, key: str) -> str | None:
+        """The entry of this file's `unset:` that removed `key` (or a section above it)."""
+        return next((u for u in self.unset if key == u or key.startswith(u + ".")), None)
+
+
+def locate(
+    exc: ConfigError,
+    files: list[str | Path],
+    overrides: dict[str, Any] | None = None,
+    *,
+    own: Callable[[dict[str, Any]], tuple[Any, list[str]]] | None = None,
+    defaults: dict[str, Any] | None = None,
+) -> ConfigError:
+    """`exc` with each problem prefixed by where its fix belongs: `file:line: key: ...`.
+
+    `files` are merged in order (a later file wins), each with its chain of `base:` files. A key
+    is pointed at the last file that writes the deepest part of its path, except where the last
+    file is an overlay that brought the problem: `own(raw)` checks a merged config `raw` (as
+    `dpadapter.validation.check` does: the config and its problems; schema errors raise), and a
+    problem the config without the overlay's layer does not have is the overlay's to fix (the
+    message says which file holds the value). A key no file writes is a default: `defaults`
+    (the parsed config as a dict) gives its value. Keys set by `overrides` (Snakemake's
+    `--config`) say so.
+    """
+    maps = []
+    for f in files:
+        # e.g. JSON indented with tabs; a broken chain was refused when it was read
+        with contextlib.suppress(OSError, yaml.YAMLError, ConfigError):
+            maps.append((shown_path(f), key_origins(f)))
+    user = _User(files[-1]) if files else None
+    base_own: list[set[str] | None] = []
+
+    def the_base_has(problem: str) -> bool:
+        if own is None or user is None or not user.overlay:
+            return True
+        if not base_own:
+            raw = None
+            with contextlib.suppress(OSError, yaml.YAMLError, ConfigError):
+                raw = without_overlay(files, overrides)
+            base_own.append(None if raw is None else _problems(own, raw))
+        return base_own[0] is None or problem in base_own[0]
+
+    def origin_of(key: str) -> tuple[int, str, int] | None:
+        parts = key.split(".")
+        best: tuple[int, str, int] | None = None
+        for _, origins in maps:
+            for depth in range(len(parts), 0, -1):
+                origin = origins.get(".".join(parts[:depth]))
+                if origin is not None:
+                    if best is None or depth >= best[0]:
+                        best = (depth, *origin)
+                    break
+        return best
+
+    def default_note(key: str) -> str:
+        value = _at(defaults, key) if defaults else None
+        what = f"the code's default, {_shown(value)}" if value is not None else "a default"
+        there = f"; write it in {user.name}" if user is not None else ""
+        return f" (no config file writes {key}: {what} applies{there})"
+
+    def where(line: str) -> str:
+        m = _LINE.match(line)
+        if not m:
+            return line
+        key, text = m.groups()
+        if key == "<top level>":
+            required = _REQUIRED.match(text)
+            if user is None or required is None:
+                return line
+            name = required.group(1)
+            gone = user.unset_of(name)
+            note = f" (removed by `unset: [{gone}]`: every config needs it)" if gone else ""
+            at = user.lines.get(UNSET_KEY, 1) if gone else 1
+            return f"  {user.name}:{at}: {name}: {text}{note}"
+        if overrides and _override_holds(overrides, key):
+            return f"  --config: {key}: {text}"
+        best = origin_of(key)
+        exact = best is not None and best[0] == len(key.split("."))
+        note = "" if exact else default_note(key)
+        if user is None:
+            return line if best is None else f"  {best[1]}:{best[2]}: {key}: {text}{note}"
+        mine = exact and best[1] == user.name
+        if user.overlay and not mine and not (best and the_base_has(f"{key}: {text}")):
+            gone = user.unset_of(key)
+            if gone is not None:
+                value = _at(defaults, key) if defaults else None
+                note = (
+                    f" (`unset: [{gone}]` here leaves {key} to the code's default"
+                    + (f", {_shown(value)}" if value is not None else "")
+                    + f": write {key} in {user.name})"
+                )
+            elif exact:
+                # `unset:` takes mapping keys only, not list items (extra_grids.1.tasks)
+                can_unset = not any(part.isdigit() for part in key.split("."))
+                note = (
+                    f" ({key} is written at {best[1]}:{best[2]}, which this file's changes "
+                    f"make wrong: set {key} in {user.name}"
+                    + (
+                        ", or add it to `unset:` there for the code's default)"
+                        if can_unset
+                        else ")"
+                    )
+                )
+            return f"  {user.name}:{user.line_for(key, text)}: {key}: {text}{note}"
+        if best is None:
+            return f"  {user.name}:{user.line_for(key, text)}: {key}: {text}{note}"
+        return f"  {best[1]}:{best[2]}: {key}: {text}{note}"
+
+    return ConfigError("\n".join(where(line) for line in str(exc).split("\n")))
