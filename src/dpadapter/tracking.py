@@ -41,7 +41,7 @@ from urllib.parse import unquote, urlsplit
 
 from dpadapter.config import Config, TrackingConfig
 from dpadapter.identity import config_hash, run_prefix
-from dpadapter.reruns import SLOT_TAG, mark_replaced, number, runs_tagged, slot
+from dpadapter.reruns import SLOT_TAG, mark_replaced, number, quoted, runs_tagged, slot
 
 SQLITE_TIMEOUT_S = 60
 # How long `auto` waits for a tracking server to accept a connection before running untracked.
@@ -532,7 +532,7 @@ def end_dead_runs(experiment_id: str) -> list[str]:
     host = socket.gethostname()
     running = client.search_runs(
         [experiment_id],
-        filter_string=f"attributes.status = 'RUNNING' and tags.`{HOST_TAG}` = {_quoted(host)}",
+        filter_string=f"attributes.status = 'RUNNING' and tags.`{HOST_TAG}` = {quoted(host)}",
         max_results=1000,
     )
     ended = []
