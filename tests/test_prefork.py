@@ -252,6 +252,8 @@ def test_a_child_killed_for_memory_says_so(server, tmp_path):
     cfg = tmp_path / "tiny.json"
     raw = {**TINY_RAW, "tracking": {"enabled": False}}
     raw["finetune"] = {**raw["finetune"], "grad_sample_mode": "hooks", "physical_batch_size": 25}
+    # minutes of warm-up: the job is surely still running when it is killed (a loaded machine)
+    raw["warmup"] = {**raw["warmup"], "epochs": 500}
     cfg.write_text(json.dumps(raw))
     out = tmp_path / "out"
     p = _job(["--config", str(cfg), "warmup", "--out", str(out)], tmp_path, path)
