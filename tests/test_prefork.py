@@ -66,6 +66,16 @@ def _config(tmp_path: Path) -> Path:
     return path
 
 
+def _forked_child(log: Path, out: Path, job: subprocess.Popen) -> int:
+    """The pid of the server's child running the warm-up job writing to `out` (from the log)."""
+    deadline = time.monotonic() + 60
+    while f"warmup --out {out}" not in log.read_text():
+        assert time.monotonic() < deadline and job.poll() is None
+        time.sleep(0.05)
+    line = [x for x in log.read_text().splitlines() if f"--out {out}" in x][-1]
+    return int(line.split("pid ")[1].split(":")[0])
+
+
 def _children(pid: int) -> list[int]:
     out = []
     for entry in os.listdir("/proc"):
@@ -136,12 +146,7 @@ def test_a_signal_reaches_the_job_and_a_killed_job_leaves_no_child(server, tmp_p
     for how in (signal.SIGTERM, signal.SIGKILL):
         out = tmp_path / f"out-{how}"
         p = _job(["--config", str(cfg), "warmup", "--out", str(out)], tmp_path, path)
-        deadline = time.monotonic() + 60
-        while f"warmup --out {out}" not in log.read_text():
-            assert time.monotonic() < deadline and p.poll() is None
-            time.sleep(0.05)
-        line = [x for x in log.read_text().splitlines() if f"--out {out}" in x][-1]
-        child = int(line.split("pid ")[1].split(":")[0])
+        child = _forked_child(log, out, p)
         server_pid = server_pid or int(Path(f"/proc/{child}/stat").read_text().split()[3])
         p.send_signal(how)
         p.communicate(timeout=60)
@@ -257,12 +262,7 @@ def test_a_child_killed_for_memory_says_so(server, tmp_path):
     cfg.write_text(json.dumps(raw))
     out = tmp_path / "out"
     p = _job(["--config", str(cfg), "warmup", "--out", str(out)], tmp_path, path)
-    deadline = time.monotonic() + 60
-    while f"warmup --out {out}" not in log.read_text():
-        assert time.monotonic() < deadline and p.poll() is None
-        time.sleep(0.05)
-    line = [x for x in log.read_text().splitlines() if f"--out {out}" in x][-1]
-    os.kill(int(line.split("pid ")[1].split(":")[0]), signal.SIGKILL)
+    os.kill(_forked_child(log, out, p), signal.SIGKILL)
     _, err = p.communicate(timeout=60)
     assert p.returncode == 128 + signal.SIGKILL
     assert "warmup was killed by SIGKILL" in err and "out-of-memory" in err, err

@@ -8,22 +8,9 @@ import copy
 
 import pytest
 from external_helpers import params_for, save_as, source_model
+from test_external_validation import problems, with_external
 
-from dpadapter.config import ConfigError
 from dpadapter.validation import validate
-
-
-def with_external(tiny_raw, external: dict) -> dict:
-    raw = copy.deepcopy(tiny_raw)
-    raw["pretrain"] = {"methods": ["scratch", *external], "external": external}
-    raw["data"]["normalization"] = {"mean": [0.0], "std": [1.0]}
-    return raw
-
-
-def problems(raw) -> str:
-    with pytest.raises(ConfigError) as err:
-        validate(raw, check_files=True)
-    return str(err.value)
 
 
 @pytest.fixture
