@@ -723,20 +723,27 @@ def locate(
         key = match.group(1)
         if overrides and _override_holds(overrides, key):
             return f"  --config: {key}: "
-        parts = key.split(".")
-        best: tuple[int, str, int] | None = None
-        for _, origins in maps:
-            for depth in range(len(parts), 0, -1):
-                origin = origins.get(".".join(parts[:depth]))
-                if origin is not None:
-                    if best is None or depth >= best[0]:
-                        best = (depth, *origin)
-                    break
+        best = key_origin(maps, key)
         if best is None:
             return f"  {maps[-1][0]}: {key}: " if maps else match.group(0)
         return f"  {best[1]}:{best[2]}: {key}: "
 
     return ConfigError(_PROBLEM.sub(where, str(exc)))
+
+
+def key_origin(maps: list[tuple[str, dict]], key: str) -> tuple[int, str, int] | None:
+    """(depth, file, line) of the deepest prefix of `key` that a file sets, the last file
+    winning a tie (as the merge does); None when no file sets any of it."""
+    parts = key.split(".")
+    best: tuple[int, str, int] | None = None
+    for _, origins in maps:
+        for depth in range(len(parts), 0, -1):
+            origin = origins.get(".".join(parts[:depth]))
+            if origin is not None:
+                if best is None or depth >= best[0]:
+                    best = (depth, *origin)
+                break
+    return best
 
 
 def _unique(path: Path, pairs: list[tuple[str, Any]]) -> dict[str, Any]:

@@ -34,6 +34,7 @@ from dpadapter.config import (
     _override_holds,
     config_chain,
     key_lines,
+    key_origin,
     key_origins,
     merge,
     read_chain,
@@ -201,16 +202,7 @@ def locate(
         return base_own[0] is None or problem in base_own[0]
 
     def origin_of(key: str) -> tuple[int, str, int] | None:
-        parts = key.split(".")
-        best: tuple[int, str, int] | None = None
-        for _, origins in maps:
-            for depth in range(len(parts), 0, -1):
-                origin = origins.get(".".join(parts[:depth]))
-                if origin is not None:
-                    if best is None or depth >= best[0]:
-                        best = (depth, *origin)
-                    break
-        return best
+        return key_origin(maps, key)
 
     def default_note(key: str) -> str:
         value = _at(defaults, key) if defaults else None

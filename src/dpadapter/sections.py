@@ -16,10 +16,10 @@ import functools
 from pathlib import Path
 from typing import Any
 
-from dpadapter.config import Config, ConfigError, config_chain, key_lines
+from dpadapter.config import Config
 from dpadapter.data import resolve_dataset
 from dpadapter.problems import OPTIONAL, error, locate, needed, section_of
-from dpadapter.validation import check
+from dpadapter.validation import check, check_files_of
 
 # What the audit reads of `federated` when it audits the federated mechanisms (per client, in
 # client 0 of the federated setting): not the grid's upstreams, strategies or UT estimates.
@@ -65,15 +65,7 @@ def validate_scoped(
     `dpadapter.validation.validate_files` does; an optional section's problems are left out of
     the raise and returned instead, keyed by the section's name.
     """
-    for f in files:
-        if Path(f).is_file():
-            for part in config_chain(f):  # duplicates refused, as validate_files does
-                if part.suffix != ".json":
-                    key_lines(part)
-    try:
-        cfg, problems = check(raw, check_files)
-    except ConfigError as exc:
-        raise locate(exc, files, overrides) from None
+    cfg, problems = check_files_of(raw, files, overrides, check_files)
     at = functools.partial(
         locate,
         files=files,

@@ -135,6 +135,26 @@ def load(
     return validate_files(read_raw(path, overrides), [path], overrides, check_files, sections)
 
 
+def check_files_of(
+    raw: dict[str, Any],
+    files: list[str | Path],
+    overrides: dict[str, Any] | None,
+    check_files: bool,
+) -> tuple[Config, list[str]]:
+    """`check` of `raw` after its files' duplicate keys are refused (an overlay's bases too);
+    a schema error is pointed at its file and line. The shared first half of `validate_files`
+    and `dpadapter.sections.validate_scoped`."""
+    for f in files:
+        if Path(f).is_file():
+            for part in config_chain(f):
+                if part.suffix != ".json":
+                    key_lines(part)
+    try:
+        return check(raw, check_files)
+    except ConfigError as exc:
+        raise locate(exc, files, overrides) from None
+
+
 def validate_files(
     raw: dict[str, Any],
     files: list[str | Path],
@@ -150,15 +170,7 @@ def validate_files(
     so a duplicate is refused here, naming both lines; every other problem gets `file:line:` of
     the key it names.
     """
-    for f in files:
-        if Path(f).is_file():
-            for part in config_chain(f):  # an overlay's bases too
-                if part.suffix != ".json":
-                    key_lines(part)
-    try:
-        cfg, problems = check(raw, check_files)
-    except ConfigError as exc:
-        raise locate(exc, files, overrides) from None
+    cfg, problems = check_files_of(raw, files, overrides, check_files)
     problems = blocking(problems, sections)
     if problems:
         own = functools.partial(check, check_files=check_files)  # the base's own problems

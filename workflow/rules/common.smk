@@ -10,6 +10,7 @@ from pathlib import Path
 from snakemake.exceptions import WorkflowError
 from snakemake.settings.types import DeploymentMethod
 
+from dpadapter import atomic as _atomic
 from dpadapter import config as _config
 from dpadapter import dvc_sync as _dvc_sync
 from dpadapter import identity as _identity
@@ -121,10 +122,7 @@ def _write_config_file():
     path = Path(CONFIG_FILE)
     if workflow.dryrun or path.exists():
         return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(_CONFIG_TEXT)
-    os.replace(tmp, path)
+    _atomic.write_text(path, _CONFIG_TEXT)
 
 
 # Plumbing every shell command needs, passed as params (the linter wants no globals in shell

@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import fcntl
 import json
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from dpadapter import atomic
 
 # this process's results, by file and key (the file's content can only grow by other jobs'
 # results under other keys: a key's value never changes)
@@ -65,6 +66,4 @@ def _write(path: Path, key: str, value: float) -> None:
         fcntl.flock(lock, fcntl.LOCK_EX)
         data = _read(path)
         data[key] = value
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(data, indent=1))
-        os.replace(tmp, path)
+        atomic.write_text(path, json.dumps(data, indent=1))
