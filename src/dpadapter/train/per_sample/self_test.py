@@ -35,6 +35,15 @@ gradient is the small difference of large terms, right implementations differ by
 Tolerance 1e-3 (`TOLERANCE`): a wrong per-example gradient is off by O(1) (the channels-last
 bug of Opacus' hooks mode: 1.4).
 
+Kinks: where an input sits within rounding of a point where the gradient jumps (two max-pool
+inputs tied, a ReLU input at 0), float32 and float64 can take different subgradients, and one
+example's early layers then differ by far more than rounding (0.5% at a GroupNorm behind a tied
+max-pool, seen on a trained CNN and synthetic inputs, in bk, hooks and functorch alike). A wrong
+mode is wrong for most examples; a kink hits one in hundreds. So when at most 1 in `KINK_SHARE`
+examples (at least one) is off and every other example is right, those examples are moved by
+`KINK_STEP` (off the kink: the tie is broken by far more than rounding) and the whole test runs
+again, once; it must pass then. The record says how many were moved.
+
 What it does not touch: private data (inputs from a private generator in the training data's
 sample shape, labels from the model's output size), the global RNG (forked), the model's
 parameters, buffers, modes or per-sample state (`p.grad`, `p.grad_sample`, `p.summed_grad`,
@@ -61,6 +70,10 @@ from dpadapter.train.per_sample.reference import Reference, reference
 TOLERANCE = 1e-3
 FLOOR = 1e-5
 ROUNDING_MARGIN = 10.0  # times each module's measured float32-vs-float64 rounding
+# At most 1 in KINK_SHARE examples off (at least one) and the rest right: moved by KINK_STEP
+# (inputs ~ N(0, 1)) and tested again, once (module docstring: kinks).
+KINK_SHARE = 50
+KINK_STEP = 1e-3
 EXAMPLES = 8  # when no physical batch size is given
 SEED = 0x5E1F7E57  # the inputs' private generator: nothing else draws from it
 WHOLE = "the whole gradient"
@@ -93,6 +106,7 @@ def run_check(
     devices = [param.device] if param.device.type == "cuda" else []
     modes = {m: m.training for m in model.modules()}
     buffers = snapshot_buffers(model)
+    redrawn: list[int] = []
     try:
         with torch.random.fork_rng(devices=devices), full_fp32():
             gen = torch.Generator().manual_seed(SEED)
@@ -104,32 +118,78 @@ def run_check(
             with torch.no_grad():
                 classes = model(x).shape[-1]
             y = torch.randint(0, classes, (n,), generator=gen).to(param.device)
-            x2 = x.clone()
-            x2[n // 2] = _synthetic(x.shape[1:], dtype, gen).to(param.device) * 3 + 1
-            ref = reference(model, groups, x, y, FLOOR)
-            wrapped = wrap()  # what wrapping adds (hooks, Opacus' attributes) stays
-            with _restored(model):  # the mode's per-sample state is dropped after
-                got = _mode_run(wrapped, bind, groups, x, y, ref.clip)
-            with _restored(model):
-                moved = _mode_run(wrapped, None, groups, x2, y, None)
+            other = _synthetic(x.shape[1:], dtype, gen).to(param.device) * 3 + 1
+            wrapped, errors, failing = _attempt(model, wrap, bind, groups, x, y, other, tolerance)
+            if failing and len(failing) <= max(1, n // KINK_SHARE):
+                # A few examples off, the rest exact: most likely inputs within rounding of a
+                # kink (a max-pool tie, a ReLU at 0), where float32 and float64 take different
+                # subgradients. Move those examples off it and test everything again.
+                if hasattr(wrapped, "_close"):
+                    wrapped._close()
+                redrawn = failing
+                idx = torch.tensor(failing, device=x.device)
+                step = torch.randn(x[idx].shape, generator=gen).to(x.device, x.dtype)
+                if x.is_floating_point():
+                    x = x.clone()
+                    x[idx] += KINK_STEP * step
+                wrapped, errors, failing = _attempt(
+                    model, wrap, bind, groups, x, y, other, tolerance
+                )
     finally:
         for m, training in modes.items():
             m.training = training
         restore_buffers(buffers)
-    errors = _compare(ref, got, moved, n // 2)
+    ref_dtype = errors.pop(_REF_DTYPE)
     record = _record(mode, n, errors, tolerance, sorted(drawing))
-    record.update(reference=ref.dtype, rounding_margin=ROUNDING_MARGIN)
+    record.update(reference=ref_dtype, rounding_margin=ROUNDING_MARGIN)
+    record["redrawn_near_kinks"] = len(redrawn)
     if not record["passed"]:
         if hasattr(wrapped, "_close"):
             wrapped._close()
         kind, where = record["worst"].split(" at ", 1)
         raise PerSampleCheckError(
             f"per-sample self-test: grad_sample_mode {mode!r} gives {kind} off by "
-            f"{record['max_rel_error']:.3g} (relative; tolerance {tolerance:g}) at {where}; "
-            "training refused (another grad_sample_mode may compute them right; "
+            f"{record['max_rel_error']:.3g} (relative; tolerance {tolerance:g}) at {where}"
+            + (f" (also after moving {len(redrawn)} example(s) off a kink)" if redrawn else "")
+            + "; training refused (another grad_sample_mode may compute them right; "
             "finetune.per_sample_check: false skips this test)"
         )
     return wrapped, record
+
+
+_REF_DTYPE = "reference dtype"
+
+
+def _attempt(model, wrap, bind, groups, x, y, other, tolerance):
+    """Reference, wrap, the mode's norms and sums: (wrapped, errors, examples off).
+
+    `other` replaces the middle example for the check that examples do not interact."""
+    n = len(y)
+    x2 = x.clone()
+    x2[n // 2] = other
+    ref = reference(model, groups, x, y, FLOOR)
+    wrapped = wrap()  # what wrapping adds (hooks, Opacus' attributes) stays
+    with _restored(model):  # the mode's per-sample state is dropped after
+        got = _mode_run(wrapped, bind, groups, x, y, ref.clip)
+    with _restored(model):
+        moved = _mode_run(wrapped, None, groups, x2, y, None)
+    errors = _compare(ref, got, moved, n // 2)
+    failing = _failing_examples(ref, got, tolerance)
+    errors_ok = max(errors.values(), default=0.0) <= tolerance
+    return wrapped, {**errors, _REF_DTYPE: ref.dtype}, ([] if errors_ok else failing)
+
+
+def _failing_examples(ref: Reference, got: dict, tolerance: float) -> list[int]:
+    """The examples whose norm (some module's, or the whole) is off beyond the tolerance."""
+    r, n = ref.norms, got["norms"]
+    whole_r = torch.sqrt(sum(v.pow(2) for v in r.values()))
+    tiny = torch.finfo(torch.float64).tiny
+    bad = torch.zeros(len(whole_r), dtype=torch.bool)
+    for mod, rv in r.items():
+        scale = torch.maximum(rv, FLOOR * whole_r).clamp(min=tiny)
+        rel = (n[mod] - rv).abs() / scale - ROUNDING_MARGIN * ref.norm_noise[mod]
+        bad |= ~(rel <= tolerance)  # nan counts as off
+    return [int(i) for i in bad.nonzero().flatten()]
 
 
 def _record(mode, examples, errors: dict[str, float], tolerance, drawing) -> dict:
