@@ -241,7 +241,7 @@ def weight_problems(cfg: Config) -> list[str]:
         try:
             entry, params, at = resolve(name, cfg.upstream_params, cfg.external_upstreams)
         except (KeyError, ValueError):
-            continue  # reported by _name_problems
+            continue  # reported by method_problems
         if entry.name != EXTERNAL or "weights" not in params:
             continue
         from dpadapter.upstream.external import WeightsUnavailable, locate_weights
