@@ -9,19 +9,20 @@ What already does the job, and why the rest is kept (weighed against issue 38):
   never disagree; `common.smk` reads the `--configfile`s Snakemake was given through it only
   when one of them is an overlay.
 - A file naming its own base (`base: ../config.yaml`) is kept because the project's shipped
-  experiments are each one file (`configs/*.yaml`, `make run CONFIG=...`, dvc.yaml's stage
-  commands, MLflow's recorded config path): the chain travels with the file instead of with
-  every command line that names it, and a missing or cyclic base is refused at the `base:`
-  line. `unset:` is kept because no Snakemake merge can remove a key (a `null` is a value:
-  `pretrain.params.sam: null` fails the schema instead of dropping the method's params).
-- OmegaConf (with Hydra's defaults lists for composition) merges in order and, since its 2.1
-  loader, refuses a duplicate key too. It is not used because what this project needs most
-  from the file layer it does not give: the file and line a merged value comes from
-  (`key_origins`), which every error message is pointed with (`dpadapter.settings.lines`,
+  experiments are each one file (`configs/*.yaml`, named once by `make run CONFIG=...`, by
+  dvc.yaml's stage commands and by `python -m dpadapter --config`): the chain travels with
+  the file instead of with every command line that names it, and a missing or cyclic base is
+  refused at the `base:` line. `unset:` is kept because no Snakemake merge can remove a key
+  (a `null` is a value: `pretrain.params.sam: null` fails the schema instead of dropping the
+  method's params).
+- OmegaConf (with Hydra's defaults lists for composition) merges in order and its loader
+  refuses a duplicate key too (omry/omegaconf#257). It is not used because what this project
+  needs most from the file layer it does not give: the file and line a merged value comes
+  from (`key_origins`), which every error message is pointed with (`dpadapter.settings.lines`,
   `dpadapter.problems`); its merged config is a `DictConfig`, not the plain mapping that
   Snakemake's `config`, the JSON schema and the rerun fingerprints (`dpadapter.fingerprint`)
-  read; removing a key is a command-line override (`~key`), not something a file can say; and
-  it would be one more import in the workflow's parse, which is kept light
+  read; removing a key is Hydra's command-line override (`~key`), not something a file says;
+  and it would be one more import in the workflow's parse, which is kept light
   (tests/test_light_parse.py).
 - Duplicate keys: PyYAML, like Snakemake's loader, keeps the later of two equal keys without a
   word (`epsilons:` written twice would run a grid nobody asked for); `key_lines` refuses them,

@@ -1,10 +1,11 @@
 """The one home of a job grid's expansion: every combination of some axes, each once.
 
-The fine-tuning grid (`Config.finetune_grid`), the federated grid (`FederatedConfig.jobs`), the
-HPO's (`dpadapter.hpo.jobs`, and the probe regime's pairs in `workflow/rules/hpo_helpers.smk`)
-the audit's (`dpadapter.audit.stage.audit_jobs`) and the gamma sweeps' (`workflow/rules/sweeps.smk`) are each a union of such products; they
-all expand through `grid`, so the order jobs are listed in (first axis slowest, the order the
-config writes them) and the rule that a job is listed once are the same everywhere.
+The fine-tuning grid (`Config.finetune_grid`), the federated grid (`FederatedConfig.jobs`),
+the HPO's (`dpadapter.hpo.jobs`, `dpadapter.hpo.probe_pairs`), the audit's
+(`dpadapter.audit.stage.audit_jobs`) and the gamma sweeps' (`workflow/rules/sweeps.smk`) are
+each a union of such products; they all expand through `grid`, so the order jobs are listed in
+(first axis slowest, the order the config writes them) and the rule that a job is listed once
+are the same everywhere.
 """
 
 from __future__ import annotations
