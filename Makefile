@@ -8,7 +8,7 @@ CORES ?= 2
 CONFIG ?= config.yaml
 # The results folder of $(CONFIG) (its `results_dir`, from its `base:` when it names none), for
 # the summaries printed below.
-RESULTS = $$($(BIN)/python -c "import sys; from dpadapter.config import read_raw; print(read_raw(sys.argv[1]).get('results_dir', 'results'))" $(CONFIG))
+RESULTS = $$($(BIN)/python -c "import sys; from dpadapter.settings import read_raw; print(read_raw(sys.argv[1]).get('results_dir', 'results'))" $(CONFIG))
 
 .PHONY: run report sweeps hpo federated audit validity test test-cluster lint bench overhead setup data browser clean-results mlflow
 
@@ -81,7 +81,7 @@ federated: setup
 # one-run lower bound on epsilon (docs/audit.md); not part of `make run`.
 audit: setup
 	$(BIN)/snakemake --cores $(CORES) --configfile $(CONFIG) --rerun-incomplete audit
-	@cat "$$($(BIN)/python -c "from dpadapter.config import load; print(load('$(CONFIG)').results_dir)")/summary/audit.md"
+	@cat "$$($(BIN)/python -c "from dpadapter.settings import load; print(load('$(CONFIG)').results_dir)")/summary/audit.md"
 
 # One page of findings: each paper's claim tested in its own regime (docs/validity.md). Runs the
 # main grid, the HPO and the federated grid first if they are missing; not part of `make run`.

@@ -24,7 +24,7 @@ import audit_mutants as M  # noqa: E402
 
 from dpadapter.algorithms import ALGORITHMS  # noqa: E402
 from dpadapter.audit.canaries import audit_run  # noqa: E402
-from dpadapter.config import load  # noqa: E402
+from dpadapter.settings import load  # noqa: E402
 
 MUTANTS = {
     "non-private (sigma=0, no clipping)": M.NonPrivate,

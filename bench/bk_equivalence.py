@@ -36,10 +36,10 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 
 import dpadapter  # noqa: F401  (torchvision compatibility shim before any model import)
-from dpadapter.config import ModelConfig, load
 from dpadapter.models import create_model
 from dpadapter.models.batchnorm import apply_batchnorm_choice, freeze_batchnorm
 from dpadapter.models.input_adapter import adapt
+from dpadapter.settings import ModelConfig, load
 from dpadapter.strategies import apply_phase
 from dpadapter.train.per_sample import bind_optimizer, wrap_for_dp
 

@@ -24,9 +24,9 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from dpadapter.algorithms import ALGORITHMS, DPRunSpec
-from dpadapter.config import ModelConfig
 from dpadapter.models import create_model
 from dpadapter.privacy import PrivacyLedger
+from dpadapter.settings import ModelConfig
 
 BATCH = 256
 BASELINE = "dpsgd"

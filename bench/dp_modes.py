@@ -63,8 +63,8 @@ from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping
 from torch import nn
 
 import dpadapter  # noqa: F401  (torchvision compatibility shim before any model import)
-from dpadapter.config import ModelConfig
 from dpadapter.models import create_model
+from dpadapter.settings import ModelConfig
 from dpadapter.train.per_sample import bind_optimizer, wrap_for_dp
 
 # Opacus' hooks on a first layer whose input needs no gradient; harmless and the same every step.

@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-import dpadapter.config
+import dpadapter.settings
 from dpadapter.data import build_splits
 from dpadapter.models import create_model
 from dpadapter.train.checkpoint import load_model
@@ -91,7 +91,7 @@ def main() -> None:
     args = parse_args()
     torch.set_num_threads(args.threads)
     cfg_path = Path(args.config).resolve()
-    cfg = dpadapter.config.load(cfg_path)
+    cfg = dpadapter.settings.load(cfg_path)
     root = Path(cfg.data.root)
     if not root.is_absolute():  # the config's data root is relative to the repository
         data_cfg = dataclasses.replace(cfg.data, root=str(cfg_path.parent / root))

@@ -31,9 +31,9 @@ from torch.utils.data import TensorDataset
 import dpadapter  # noqa: F401
 from dpadapter import device as devices
 from dpadapter.algorithms import ALGORITHMS
-from dpadapter.config import load
 from dpadapter.models import create_model
 from dpadapter.privacy import PrivacyLedger
+from dpadapter.settings import load
 from dpadapter.train.batching import masked_cross_entropy, padded_size
 from dpadapter.train.dp_spec import run_spec
 from dpadapter.train.loops import make_sgd, standard_step

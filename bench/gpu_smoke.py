@@ -43,10 +43,10 @@ import torch  # noqa: E402
 import dpadapter  # noqa: E402, F401
 from dpadapter import device as devices  # noqa: E402
 from dpadapter.algorithms import ALGORITHMS  # noqa: E402
-from dpadapter.config import SGDConfig, from_dict  # noqa: E402
 from dpadapter.data import public_train  # noqa: E402
 from dpadapter.models import create_model, replace_head  # noqa: E402
 from dpadapter.privacy import Segment, epsilon_from_history  # noqa: E402
+from dpadapter.settings import SGDConfig, from_dict  # noqa: E402
 from dpadapter.train.dp_fit import FitSettings, dp_fit  # noqa: E402
 from dpadapter.train.dp_spec import run_spec  # noqa: E402
 from dpadapter.train.loops import evaluate, robust_accuracy, sgd_train  # noqa: E402

@@ -62,7 +62,7 @@ def empty_mlflow_store(tmp_path, _empty_mlflow_store) -> Path:
 @pytest.fixture
 def tiny_cfg(tiny_raw, tmp_path, monkeypatch, empty_mlflow_store):
     """Validated tiny config whose results, data and MLflow store live under tmp_path."""
-    from dpadapter.config import from_dict
+    from dpadapter.settings import from_dict
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlruns.db'}")

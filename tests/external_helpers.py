@@ -6,9 +6,9 @@ from pathlib import Path
 
 import torch
 
-from dpadapter.config import ModelConfig
 from dpadapter.data import build_splits
 from dpadapter.models import create_model
+from dpadapter.settings import ModelConfig
 from dpadapter.upstream import UpstreamContext
 from dpadapter.upstream.external import External
 

@@ -1,18 +1,42 @@
 """Bad config is reported by key before any work starts."""
 
+import dataclasses
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
 
-from dpadapter.config import ConfigError, from_dict
+from dpadapter.settings import Config, ConfigError, from_dict
 from dpadapter.validation import load, validate
 
+REPO = Path(__file__).resolve().parents[1]
 
-def test_embedded_and_paper_configs_are_valid():
-    load("config.yaml")
-    load("configs/paper.yaml")
+
+def test_a_config_file_loads_the_same_from_any_working_directory(tmp_path, monkeypatch):
+    """A file and its `base:` chain are read relative to the file, never to the working
+    directory; an overlay's config is its base's with exactly what the overlay writes changed
+    (here `configs/paper-epochs.yaml`: its results folder, two `unset:` keys and the upstream
+    schedules), and every other section stays the base's."""
+    overlay, base_file = REPO / "configs" / "paper-epochs.yaml", REPO / "configs" / "paper.yaml"
+    monkeypatch.chdir(REPO)
+    here, base = load(overlay.relative_to(REPO)), load(base_file.relative_to(REPO))
+    monkeypatch.chdir(tmp_path)
+    assert load(overlay) == here and load(base_file) == base
+    assert here.results_dir == "results-paper-epochs" != base.results_dir
+    written = ("schedule_unit", "epochs", "max_steps")  # what the overlay sets or unsets
+    for method in ("dpadapter", "sam"):
+        params, before = here.upstream_params[method], base.upstream_params[method]
+        assert "max_steps" in before and "max_steps" not in params  # unset:
+        assert (params["schedule_unit"], params["epochs"]) == ("epochs", 1000)
+        assert {k: v for k, v in params.items() if k not in written} == {
+            k: v for k, v in before.items() if k not in written
+        }
+    changed = {"results_dir", "upstream_params"}
+    assert {
+        f.name for f in dataclasses.fields(Config) if getattr(here, f.name) != getattr(base, f.name)
+    } == changed
 
 
 @pytest.mark.parametrize(
@@ -78,3 +102,69 @@ def test_extra_grid_names_are_checked(tiny_raw):
     tiny_raw["finetune"]["extra_grids"] = [{"upstreams": ["sam"], "algorithms": ["dpsgd"]}]
     with pytest.raises(ConfigError, match=r"extra_grids\.0\.upstreams"):
         validate(tiny_raw)
+
+
+def test_each_section_checks_itself_without_the_registries():
+    """What a section can tell alone it tells where it is built (`__post_init__`), or lists
+    by `problems()` where the problem must wait for the target that runs the section."""
+    from dpadapter.settings import (
+        AuditConfig,
+        DataConfig,
+        FederatedConfig,
+        FedMechanismConfig,
+        FinetuneConfig,
+        HPOConfig,
+        PrivacyConfig,
+    )
+
+    with pytest.raises(ConfigError, match=r"data\.normalization: 2 mean\(s\) but 1 std"):
+        DataConfig(normalization=((0.5, 0.5), (0.2,)))
+    with pytest.raises(ConfigError, match=r"privacy\.randomness: 'dice'"):
+        PrivacyConfig(randomness="dice")
+    with pytest.raises(ConfigError, match=r"hpo\.target_epsilons: linear-probe needs >= 1"):
+        HPOConfig(target_epsilons=())
+    assert FinetuneConfig().problems() == []
+    assert (
+        FinetuneConfig(optimizer="adam", momentum=0.9)
+        .problems()[0]
+        .startswith("finetune.momentum: adam has no momentum")
+    )
+    hpo = HPOConfig(regime="network", sweep_epsilons=(0.2, 0.1), lr_range=(2.0, 1.0))
+    assert [p.split(":")[0] for p in hpo.problems()] == [
+        "hpo.sweep_epsilons",
+        "hpo.lr_range",
+    ]
+    laplace = FedMechanismConfig(epsilons=(1.0,), max_grad_norm=1.0, lr=1.0, sample_rate=0.5)
+    assert FederatedConfig(laplace=laplace).problems() == [
+        "federated.laplace.sample_rate: must be 1 (Theorem 1 uses every example)"
+    ]
+    assert AuditConfig(canaries=10, guesses=(5, 6)).problems() == [
+        "audit.guesses: every k needs 2k <= audit.canaries = 10"
+    ]
+    assert AuditConfig().problems() == []
+
+
+def test_every_job_grid_expands_through_the_one_grid(tiny_raw):
+    """First axis slowest, each job once at its first place; the fine-tuning, federated, HPO
+    and audit grids are unions of such products."""
+    from dpadapter.audit.stage import audit_jobs
+    from dpadapter.hpo import jobs as hpo_jobs
+    from dpadapter.hpo import probe_pairs
+    from dpadapter.settings.grid import grid, union
+
+    assert grid("ab", (1, 2)) == [("a", 1), ("a", 2), ("b", 1), ("b", 2)]
+    assert grid("aba", (1,)) == [("a", 1), ("b", 1)]
+    assert union([(1,), (2,)], [(2,), (3,)]) == [(1,), (2,), (3,)]
+    tiny_raw["audit"] = {"algorithms": ["dpsgd"], "epsilons": [1, 2], "federated": ["gaussian"]}
+    cfg = from_dict(tiny_raw)
+    ft = cfg.finetune
+    assert cfg.finetune_grid() == grid(
+        cfg.upstreams, cfg.grid_tasks(), ft.algorithms, ft.epsilons, ft.seeds
+    )
+    h = cfg.hpo
+    pairs = grid(h.upstreams or cfg.upstreams, h.tasks or tuple(cfg.tasks))
+    assert probe_pairs(cfg) == pairs
+    assert hpo_jobs(cfg) == [(u, t, a, s) for (u, t), a, s in grid(pairs, h.algorithms, h.seeds)]
+    assert audit_jobs(cfg) == grid(["dpsgd", "federated-gaussian"], [1.0, 2.0])
+    jobs = cfg.federated.jobs(cfg.upstreams)
+    assert jobs and len(set(jobs)) == len(jobs)

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dpadapter.config import ConfigError
+from dpadapter.settings import ConfigError
 from dpadapter.validation import validate
 
 REPO = Path(__file__).resolve().parents[1]

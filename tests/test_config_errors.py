@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from dpadapter.config import ConfigError, key_lines, read_raw
+from dpadapter.settings import ConfigError, key_lines, read_raw
 from dpadapter.validation import load, validate_files
 
 REPO = Path(__file__).resolve().parents[1]

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dpadapter.config import (
+from dpadapter.settings import (
     MERGED_FILE,
     ConfigError,
     config_chain,

@@ -3,16 +3,19 @@
 Read from the source (every `import`, including those inside functions: a lazy import is still
 a dependency), so the test needs no torch and sees what a reader sees. The layers, low to high:
 
-0. foundation: config, schemas, device, tracking, the job harness, tables, plots, the rules'
-   rerun fingerprints
-1. privacy (accounting, calibration, ledger), models, data, strategies
+0. foundation: settings (the config's sections, files and schema), device, tracking, the job
+   harness, tables, plots, the rules' rerun fingerprints
+1. privacy (accounting, calibration, ledger), models, data (its checks too), strategies
 2. per-sample gradients and clipping (`train.per_sample`)
 3. algorithms (one DP method per file)
 4. the DP and non-private training loops (`train`)
 5. upstream methods, federated, HPO, audit (experiments built on the loops), and the catalog
    that reads the registries' names and schemas without torch
-6. entry points: `stages`, `cli`, each package's `cli`, and `validation` (checks configs
-   against every registry)
+6. entry points: `stages` (and the main grid's checks, `stages.checks`), `cli`, each package's
+   `cli`, and `validation` (composes every feature's checks)
+
+Each feature owns its config checks (`<feature>.checks`); no feature imports another's, and only
+the composers (`validation`, and `sections`, which scopes them to a target) read several.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ LAYERS: dict[str, int] = {
     "dpadapter": 0,
     "dpadapter.compat": 0,
     "dpadapter.atomic": 0,
-    "dpadapter.config": 0,
+    "dpadapter.settings": 0,
     "dpadapter.param_schema": 0,
     "dpadapter.device": 0,
     "dpadapter.stats": 0,
@@ -61,6 +64,8 @@ LAYERS: dict[str, int] = {
     "dpadapter.sections": 6,
 }
 ENTRY = 6
+# The modules that compose the features' checks (`<feature>.checks`).
+COMPOSERS = ("dpadapter.validation", "dpadapter.sections")
 
 
 def modules(src: Path = SRC) -> dict[str, Path]:
@@ -110,6 +115,19 @@ def upward_imports(graph: dict[str, set[str]]) -> list[str]:
         for m, ts in graph.items()
         for t in ts
         if layer(t) > layer(m)
+    )
+
+
+def foreign_checks(graph: dict[str, set[str]]) -> list[str]:
+    """Imports of a feature's checks module from outside that feature (the composers aside)."""
+    return sorted(
+        f"{m} imports {t}"
+        for m, ts in graph.items()
+        if m not in COMPOSERS
+        for t in ts
+        if t.endswith(".checks")
+        and m != t.removesuffix(".checks")
+        and not m.startswith(t.removesuffix("checks"))
     )
 
 
@@ -185,6 +203,17 @@ def test_privacy_imports_no_training_code():
     assert bad == []
 
 
+def test_a_feature_never_imports_another_features_checks():
+    assert foreign_checks(GRAPH) == []
+
+
+def test_validation_composes_every_features_checks():
+    """A checks module that `validation` does not import is never run before a job starts."""
+    owned = {m for m in GRAPH if m.endswith(".checks")}
+    assert len(owned) >= 6  # data, stages, upstream, hpo, federated, audit
+    assert owned - GRAPH["dpadapter.validation"] == set()
+
+
 def test_no_import_cycle():
     assert cycles(GRAPH) == []
 
@@ -196,6 +225,8 @@ def test_no_import_cycle():
         ({"dpadapter.train.dp_fit": {"dpadapter.stages.finetune"}}, upward_imports),
         ({"dpadapter.data.tasks": {"dpadapter.models.factory"},
           "dpadapter.models.factory": {"dpadapter.data.tasks"}}, cycles),
+        ({"dpadapter.hpo.checks": {"dpadapter.federated.checks"}}, foreign_checks),
+        ({"dpadapter.audit.stage": {"dpadapter.data.checks"}}, foreign_checks),
     ],
 )  # fmt: skip
 def test_the_checks_find_a_planted_violation(planted, check):

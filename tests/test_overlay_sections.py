@@ -18,9 +18,9 @@ import pytest
 import yaml
 
 from dpadapter import cli
-from dpadapter.config import ConfigError, read_raw
 from dpadapter.problems import locate
 from dpadapter.sections import refusal, stage_sections, validate_scoped, warning
+from dpadapter.settings import ConfigError, read_raw
 from dpadapter.validation import load, validate
 
 REPO = Path(__file__).resolve().parents[1]

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from dpadapter import tracking
-from dpadapter.config import TrackingConfig
 from dpadapter.identity import config_hash, run_prefix
+from dpadapter.settings import TrackingConfig
 from dpadapter.stages import finetune, pretrain
 
 DP_PARAMS = {
@@ -179,7 +179,7 @@ _JOB = textwrap.dedent(
     import sys, time
     from pathlib import Path
     from dpadapter import tracking
-    from dpadapter.config import TrackingConfig
+    from dpadapter.settings import TrackingConfig
     with tracking.start_run(TrackingConfig(experiment="kill"), run_name="job", tags={}) as run:
         Path(sys.argv[1]).write_text(run.run_id)
         time.sleep(120)
@@ -253,7 +253,7 @@ _UNTRACKED_JOB = textwrap.dedent(
     from pathlib import Path
     if sys.argv[2] == "missing":
         sys.modules["mlflow"] = None  # as on a node whose image has no MLflow
-    from dpadapter.config import from_dict
+    from dpadapter.settings import from_dict
     from dpadapter.stages import finetune, pretrain
     cfg = from_dict(json.loads(Path(sys.argv[1]).read_text()))
     pretrain.run(cfg, "scratch", Path("pre"), None)

@@ -10,10 +10,10 @@ import torch
 import yaml
 
 from dpadapter.algorithms import ALGORITHMS
-from dpadapter.config import ConfigError
 from dpadapter.data import DATASET_INFO, load_dataset, missing_files
 from dpadapter.data.registry import DatasetUnavailable
 from dpadapter.param_schema import param_errors
+from dpadapter.settings import ConfigError
 from dpadapter.upstream import UPSTREAMS
 from dpadapter.validation import full_schema, validate, variant_problems
 
@@ -234,12 +234,12 @@ def test_batch_larger_than_a_task_is_refused(tiny_raw):
 # --- structure ---------------------------------------------------------------------------------
 
 
-def test_config_module_imports_no_registry():
+def test_the_settings_package_imports_no_registry():
     code = (
-        "import sys, dpadapter.config\n"
+        "import sys, dpadapter.settings\n"
         "bad = [m for m in sys.modules if m.startswith(('dpadapter.algorithms', "
         "'dpadapter.upstream', 'dpadapter.data', 'dpadapter.models', 'dpadapter.privacy', "
-        "'dpadapter.validation'))]\n"
+        "'dpadapter.validation', 'dpadapter.catalog'))]\n"
         "print(bad)\n"
         "sys.exit(1 if bad else 0)\n"
     )

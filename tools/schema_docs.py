@@ -64,7 +64,7 @@ def _field_defaults(prefix: str, obj: Any, out: dict[str, Any]) -> None:
 
 def defaults() -> dict[str, Any]:
     """Default of every config key the code fills in, by dotted path (`<name>`, `[]` as in rows)."""
-    from dpadapter import config as c
+    from dpadapter import settings as c
     from dpadapter.algorithms import ALGORITHMS
     from dpadapter.upstream import UPSTREAMS
 

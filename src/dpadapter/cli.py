@@ -12,10 +12,10 @@ import time
 from pathlib import Path
 
 from dpadapter.audit.cli import add_parsers as add_audit_parsers
-from dpadapter.config import read_raw
 from dpadapter.federated.cli import add_parsers as add_federated_parsers
 from dpadapter.hpo.cli import add_parsers as add_hpo_parsers
 from dpadapter.sections import stage_sections
+from dpadapter.settings import read_raw
 from dpadapter.validation import ConfigError, validate_files
 
 

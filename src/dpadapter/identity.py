@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from dpadapter import atomic
-from dpadapter.config import Config
+from dpadapter.settings import Config
 
 IDENTITY_FILE = "config-identity.json"
 OVERWRITE_ENV = "DPADAPTER_ALLOW_OVERWRITE"

@@ -15,7 +15,7 @@ import torch
 
 from dpadapter import atomic, tracking
 from dpadapter import device as devices
-from dpadapter.config import Config
+from dpadapter.settings import Config
 
 
 def write_json(path: str | Path, payload: dict[str, Any]) -> None:

@@ -27,20 +27,18 @@ from typing import Any
 
 import yaml
 
-from dpadapter.config import (
+from dpadapter.settings.errors import ConfigError
+from dpadapter.settings.files import (
     BASE_KEY,
     UNSET_KEY,
-    ConfigError,
-    _override_holds,
     config_chain,
     key_lines,
-    key_origin,
-    key_origins,
     merge,
     read_chain,
     read_files,
     shown_path,
 )
+from dpadapter.settings.lines import key_origin, key_origins, override_holds
 
 # Sections run only by their own targets (workflow/rules/<section>.smk), with the make target
 # that runs each.
@@ -224,7 +222,7 @@ def locate(
             note = f" (removed by `unset: [{gone}]`: every config needs it)" if gone else ""
             at = user.lines.get(UNSET_KEY, 1) if gone else 1
             return f"  {user.name}:{at}: {name}: {text}{note}"
-        if overrides and _override_holds(overrides, key):
+        if overrides and override_holds(overrides, key):
             return f"  --config: {key}: {text}"
         best = origin_of(key)
         exact = best is not None and best[0] == len(key.split("."))

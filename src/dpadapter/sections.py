@@ -16,9 +16,9 @@ import functools
 from pathlib import Path
 from typing import Any
 
-from dpadapter.config import Config
 from dpadapter.data import resolve_dataset
 from dpadapter.problems import OPTIONAL, error, locate, needed, section_of
+from dpadapter.settings import Config
 from dpadapter.validation import check, check_files_of
 
 # What the audit reads of `federated` when it audits the federated mechanisms (per client, in

@@ -39,9 +39,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
-from dpadapter.config import Config, TrackingConfig
 from dpadapter.identity import config_hash, run_prefix
 from dpadapter.reruns import SLOT_TAG, mark_replaced, number, quoted, runs_tagged, slot
+from dpadapter.settings import Config, TrackingConfig
 
 SQLITE_TIMEOUT_S = 60
 # How long `auto` waits for a tracking server to accept a connection before running untracked.
@@ -675,7 +675,7 @@ def main(argv: list[str] | None = None) -> int:
     """
     import argparse
 
-    from dpadapter.config import load
+    from dpadapter.settings import load
 
     ap = argparse.ArgumentParser(prog="python -m dpadapter.tracking")
     ap.add_argument("config")

@@ -20,9 +20,9 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from dpadapter.algorithms import ALGORITHMS, DPAlgorithm, DPRunSpec
-from dpadapter.config import ModelConfig
 from dpadapter.models import create_model
 from dpadapter.privacy import PrivacyLedger
+from dpadapter.settings import ModelConfig
 from dpadapter.train.per_sample import bind_optimizer, wrap_for_dp
 
 # The per-sample mode `build` wraps in when none is given (test_privacy_suite sets it per test).

@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 from dpadapter.algorithms import ALGORITHMS
-from dpadapter.config import FinetuneConfig
 from dpadapter.privacy import pld_epsilon
+from dpadapter.settings import FinetuneConfig
 from dpadapter.train import dp_fit as fit
 from dpadapter.train.dp_spec import run_spec
 

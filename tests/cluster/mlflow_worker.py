@@ -16,7 +16,7 @@ from pathlib import Path
 import mlflow.store.tracking.sqlalchemy_store  # noqa: F401  (import cost before the barrier)
 
 from dpadapter import tracking
-from dpadapter.config import TrackingConfig
+from dpadapter.settings import TrackingConfig
 
 
 def main() -> int:

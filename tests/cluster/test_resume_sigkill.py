@@ -18,7 +18,7 @@ import pytest
 import torch
 import yaml
 
-from dpadapter.config import from_dict
+from dpadapter.settings import from_dict
 from dpadapter.stages import finetune, pretrain
 
 EPOCHS = 4

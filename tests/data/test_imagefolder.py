@@ -7,10 +7,10 @@ import pytest
 import torch
 from tiny_config import TINY_RAW
 
-from dpadapter.config import ConfigError
 from dpadapter.data import DATASET_INFO, DatasetUnavailable, build_splits, load_dataset
 from dpadapter.data import imagefolder as imf
 from dpadapter.data.registry import cache_path, missing_files
+from dpadapter.settings import ConfigError
 from dpadapter.validation import validate
 
 NAME = "imagefolder:pics/tiny@8"

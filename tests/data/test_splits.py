@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from dpadapter.config import from_dict
 from dpadapter.data import build_splits
 from dpadapter.data.tasks import SplitError
+from dpadapter.settings import from_dict
 
 
 def _pairs(allocs):
@@ -108,7 +108,7 @@ def test_grey_roles_replicated_to_rgb_and_mismatches_refused_before_any_job(
     """Pretrain-DPFL feeds Fashion-MNIST to an RGB backbone as 3x32x32: `channels: 3` repeats
     the grey value in each channel (then normalises per channel with public statistics); a
     role whose channels differ from the public set's is refused at validation, naming the key."""
-    from dpadapter.config import ConfigError
+    from dpadapter.settings import ConfigError
     from dpadapter.validation import validate
 
     monkeypatch.chdir(tmp_path)

@@ -5,8 +5,8 @@ import torch
 from opacus.grad_sample.utils import wrap_model
 from torch.utils.data import TensorDataset
 
-from dpadapter.config import ModelConfig
 from dpadapter.models import create_model
+from dpadapter.settings import ModelConfig
 
 
 def make_data(n: int, seed: int = 0, classes: int = 5) -> TensorDataset:

@@ -5,9 +5,9 @@ import pytest
 import torch
 from fed_helpers import make_data, make_gsm
 
-from dpadapter.config import from_dict
 from dpadapter.federated.simulation import Client, Federation, MechanismRun
 from dpadapter.models import get_head_params
+from dpadapter.settings import from_dict
 from dpadapter.strategies import get_strategy
 
 

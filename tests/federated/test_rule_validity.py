@@ -7,7 +7,6 @@ import json
 import pytest
 from fed_helpers import make_data, make_gsm
 
-from dpadapter.config import from_dict
 from dpadapter.federated.estimate import (
     RuleConstants,
     _clipped_sums,
@@ -17,6 +16,7 @@ from dpadapter.federated.estimate import (
 from dpadapter.federated.stage import estimate_points
 from dpadapter.federated.summary import baselines, rule_report
 from dpadapter.privacy import Segment, epsilon_from_history
+from dpadapter.settings import from_dict
 from dpadapter.stats import binomial_interval, t_interval
 
 # every job tracks into tmp_path/mlruns.db: made from a template, not migrated each time

@@ -6,9 +6,9 @@ from fed_helpers import make_data, make_gsm
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from dpadapter.config import ModelConfig
 from dpadapter.federated.simulation import Client, Federation, MechanismRun
 from dpadapter.models import create_model, get_head_params
+from dpadapter.settings import ModelConfig
 from dpadapter.strategies import get_strategy
 
 NO_CLIP = 1e9

@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from dpadapter.config import from_dict
 from dpadapter.privacy import Segment, epsilon_from_history, pld_epsilon
+from dpadapter.settings import from_dict
 
 FED = {
     "task": "syn-shift",

@@ -92,7 +92,7 @@ def test_linear_probe_regime_schedules_its_own_rules(tmp_path):
 def test_a_config_without_hpo_regime_runs_the_papers_linear_probe(tmp_path):
     """No `regime` key (configs/paper.yaml has no hpo section at all): the linear-probe rules are
     scheduled, at the default total budget, and the schema documents the same default."""
-    from dpadapter.config import HPOConfig, base_schema, from_dict
+    from dpadapter.settings import HPOConfig, base_schema, from_dict
 
     raw = copy.deepcopy(TINY_RAW)
     raw["hpo"] = {"upstreams": ["scratch"], "tasks": ["syn-shift"], "seeds": [0, 1]}

@@ -79,12 +79,12 @@ def _scratch_checkpoint(cfg, path):
 def hpo_run(tmp_path_factory):
     import dpadapter.data
     import dpadapter.data.tasks
-    from dpadapter.config import from_dict
     from dpadapter.hpo.network import summary
     from dpadapter.hpo.network.baselines import grid_oracle, grid_run, random_search
     from dpadapter.hpo.network.final import final, fit
     from dpadapter.hpo.network.plan import plan
     from dpadapter.hpo.network.trials import sweep, trial
+    from dpadapter.settings import from_dict
 
     wd = tmp_path_factory.mktemp("hpo")
     raw = copy.deepcopy(TINY_RAW)
@@ -286,10 +286,10 @@ def test_final_refuses_trials_that_released_more_than_planned(hpo_run, tmp_path,
 
 
 def test_fit_stage_floors_a_negative_slope_when_monotone(tmp_path):
-    from dpadapter.config import from_dict
     from dpadapter.hpo.network.final import fit
     from dpadapter.hpo.network.plan import PLAN_VERSION
     from dpadapter.hpo.space import space_of
+    from dpadapter.settings import from_dict
 
     cfg = from_dict(copy.deepcopy(TINY_RAW))
     plan = {"version": PLAN_VERSION, "delta": cfg.privacy.delta, "fit": "linear",
@@ -314,11 +314,11 @@ def test_fit_stage_floors_a_negative_slope_when_monotone(tmp_path):
 def test_hpo_runs_train_what_hpo_strategy_says(tmp_path, strategy, backbone_moves):
     import torch
 
-    from dpadapter.config import from_dict
     from dpadapter.data import build_splits
     from dpadapter.hpo.network.runner import train_config
     from dpadapter.hpo.space import StepConfig
     from dpadapter.models import create_model
+    from dpadapter.settings import from_dict
     from dpadapter.train.checkpoint import save_model
 
     raw = copy.deepcopy(TINY_RAW)

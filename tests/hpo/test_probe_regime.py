@@ -9,10 +9,10 @@ import pytest
 import torch
 from tiny_config import TINY_RAW
 
-from dpadapter.config import ConfigError, from_dict
 from dpadapter.hpo.accounting import Composition
 from dpadapter.hpo.probe import dpgd, features, oracle, privacy, replicate
 from dpadapter.privacy import Segment
+from dpadapter.settings import ConfigError, from_dict
 
 DELTA = 1e-5
 
@@ -121,8 +121,8 @@ def test_premise_detects_linear_rise_and_its_absence():
 
 # --- features ----------------------------------------------------------------------------------
 def test_features_are_the_classifier_inputs_at_unit_norm():
-    from dpadapter.config import ModelConfig
     from dpadapter.models import create_model
+    from dpadapter.settings import ModelConfig
 
     model = create_model(ModelConfig(name="cnn-gn", groups=4, width=8), 5, 1, seed=0)
     x = torch.randn(9, 1, 28, 28)

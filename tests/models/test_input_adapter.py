@@ -6,9 +6,9 @@ import math
 
 import torch
 
-from dpadapter.config import ModelConfig
 from dpadapter.models import create_model
 from dpadapter.models.input_adapter import AdaptedModel, AdapterSpec, InputAdapter, adapt
+from dpadapter.settings import ModelConfig
 from dpadapter.upstream.external import External
 
 VIT_ARGS = {"img_size": 32, "patch_size": 8, "depth": 2}

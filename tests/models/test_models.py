@@ -2,9 +2,9 @@ import pytest
 import torch
 from opacus.validators import ModuleValidator
 
-from dpadapter.config import ModelConfig
 from dpadapter.models import create_model, get_head_params, replace_head
 from dpadapter.models.batchnorm import freeze_batchnorm
+from dpadapter.settings import ModelConfig
 
 
 @pytest.mark.parametrize(

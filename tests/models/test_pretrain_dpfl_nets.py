@@ -7,8 +7,8 @@ import pytest
 import torch
 from opacus.validators import ModuleValidator
 
-from dpadapter.config import ModelConfig
 from dpadapter.models import create_model, get_head_params, replace_head
+from dpadapter.settings import ModelConfig
 from dpadapter.train.per_sample import wrap_for_dp
 
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from dpadapter.config import from_dict
 from dpadapter.privacy import CalibrationError, Segment, epsilon_from_history, memo
+from dpadapter.settings import from_dict
 
 PLANTED_SIGMA = 0.3
 PLANTED_EPSILON = 0.99

@@ -13,8 +13,8 @@ import pytest
 import torch
 from scipy import stats
 
-from dpadapter.config import ConfigError, PrivacyConfig, from_dict
 from dpadapter.privacy import randomness
+from dpadapter.settings import ConfigError, PrivacyConfig, from_dict
 
 
 class _Bytes:
@@ -38,9 +38,9 @@ class _Bytes:
 
 def _fit(cfg, seed: int, max_steps: int = 4, algo: str = "dpsgd"):
     import dpadapter.train.dp_fit as fit
-    from dpadapter.config import ModelConfig
     from dpadapter.data import build_splits, public_train
     from dpadapter.models import create_model
+    from dpadapter.settings import ModelConfig
     from dpadapter.train.dp_spec import run_spec
 
     _, roles = build_splits(cfg, ["syn-same"])

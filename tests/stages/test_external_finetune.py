@@ -12,8 +12,8 @@ import torch
 from external_helpers import params_for, save_as, source_model
 
 from dpadapter.algorithms import ALGORITHMS
-from dpadapter.config import from_dict
 from dpadapter.privacy import Segment, epsilon_from_history
+from dpadapter.settings import from_dict
 from dpadapter.stages import finetune, pretrain
 from dpadapter.train.checkpoint import load_model
 

@@ -58,7 +58,7 @@ def test_non_private_modules_import_no_opacus_mlflow_timm(module, tmp_path):
 
 _CFG = """
 from pathlib import Path
-from dpadapter.config import from_dict
+from dpadapter.settings import from_dict
 from tiny_config import TINY_RAW
 raw = dict(TINY_RAW, results_dir="results", tracking={{"experiment": "t", "enabled": False}})
 raw["finetune"] = dict(raw["finetune"], epochs=1)

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from dpadapter.config import ConfigError, from_dict, load
 from dpadapter.data import build_splits
 from dpadapter.data.tasks import SplitError
 from dpadapter.privacy import Segment, epsilon_from_history
+from dpadapter.settings import ConfigError, from_dict, load
 from dpadapter.stages import finetune, pretrain
 from dpadapter.train.dp_spec import run_spec, sample_rate
 

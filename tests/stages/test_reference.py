@@ -2,7 +2,7 @@
 
 import pytest
 
-from dpadapter.config import load
+from dpadapter.settings import load
 from dpadapter.stages import reference
 from dpadapter.stages.aggregate import COLUMNS
 from dpadapter.tables import write_csv
@@ -50,7 +50,7 @@ def test_table_shows_ours_beside_the_paper_and_missing_cells(tmp_path):
 def test_cells_of_several_models_and_datasets_form_one_block_each(tmp_path):
     """DP-SAT Table 3 has a row per model and a column block per dataset: each cell names its
     own upstream and task, and ours are matched on all four keys (not just the algorithm)."""
-    from dpadapter.config import ReferenceCell, ReferenceConfig
+    from dpadapter.settings import ReferenceCell, ReferenceConfig
 
     ref = ReferenceConfig(
         name="T3",

@@ -119,7 +119,7 @@ def test_speed_is_grouped_per_backbone(tmp_path):
 
 
 def test_the_backbone_of_an_upstream_is_its_external_model_else_the_configs(tiny_raw):
-    from dpadapter.config import from_dict
+    from dpadapter.settings import from_dict
 
     tiny_raw["pretrain"] = {
         "methods": ["scratch", "vit"],

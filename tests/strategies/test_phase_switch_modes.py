@@ -13,9 +13,9 @@ import pytest
 import torch
 from torch import nn
 
-from dpadapter.config import ModelConfig
 from dpadapter.data import build_splits
 from dpadapter.models import create_model, replace_head
+from dpadapter.settings import ModelConfig
 from dpadapter.strategies import apply_phase, get_strategy
 from dpadapter.train.dp_fit import FitSettings, dp_fit
 from dpadapter.train.dp_spec import run_spec

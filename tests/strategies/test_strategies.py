@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from dpadapter.config import ModelConfig
 from dpadapter.models import create_model, get_head_params
+from dpadapter.settings import ModelConfig
 from dpadapter.strategies import (
     STRATEGIES,
     apply_phase,

@@ -8,9 +8,9 @@ import dataclasses
 import pytest
 import torch
 
-from dpadapter.config import ConfigError, ModelConfig
 from dpadapter.data import build_splits
 from dpadapter.models import create_model, replace_head
+from dpadapter.settings import ConfigError, ModelConfig
 from dpadapter.train.dp_fit import FitSettings, dp_fit
 from dpadapter.train.dp_spec import run_spec
 

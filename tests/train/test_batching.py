@@ -11,10 +11,10 @@ from opacus.optimizers import DPOptimizer
 from torch.utils.data import DataLoader, TensorDataset
 
 from dpadapter.algorithms import ALGORITHMS
-from dpadapter.config import ModelConfig
 from dpadapter.data import build_splits, public_train
 from dpadapter.device import full_fp32
 from dpadapter.models import create_model, replace_head
+from dpadapter.settings import ModelConfig
 from dpadapter.train.batching import (
     PAD_LABEL,
     PoissonBatches,

@@ -15,8 +15,8 @@ import torch
 from opacus.optimizers import DPOptimizer
 from torch import nn
 
-from dpadapter.config import ModelConfig
 from dpadapter.models import MODEL_NAMES, create_model
+from dpadapter.settings import ModelConfig
 from dpadapter.train.per_sample import bind_optimizer, effective_mode, wrap_for_dp
 from dpadapter.train.per_sample.bookkeeping import (
     BookKeepingModule,

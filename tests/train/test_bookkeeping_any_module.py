@@ -258,8 +258,8 @@ def test_what_cannot_be_right_is_refused_naming_the_module():
 
 def test_every_registered_model_keeps_the_closed_forms():
     """The pipeline's own models never take torch.func: their bk results stay as they were."""
-    from dpadapter.config import ModelConfig
     from dpadapter.models import MODEL_NAMES, create_model
+    from dpadapter.settings import ModelConfig
     from dpadapter.train.per_sample.bookkeeping import closed_form
 
     for name in sorted(MODEL_NAMES):

@@ -8,8 +8,8 @@ import json
 import pytest
 import torch
 
-from dpadapter.config import ModelConfig
 from dpadapter.models import create_model
+from dpadapter.settings import ModelConfig
 from dpadapter.stages import pretrain, warmup
 from dpadapter.train.checkpoint import CheckpointError, load_model, save_model
 

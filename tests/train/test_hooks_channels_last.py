@@ -13,8 +13,8 @@ from opacus.grad_sample import GradSampleModule
 from opacus.optimizers import DPOptimizer
 from torch import nn
 
-from dpadapter.config import load
 from dpadapter.models import create_model
+from dpadapter.settings import load
 from dpadapter.train.per_sample import bind_optimizer, wrap_for_dp
 from dpadapter.train.per_sample.opacus_modes import permuted_layout
 

@@ -10,8 +10,8 @@ from opacus.grad_sample import GradSampleModule
 from opacus.optimizers import DPOptimizer
 from torch import nn
 
-from dpadapter.config import ModelConfig, from_dict
 from dpadapter.models import create_model
+from dpadapter.settings import ModelConfig, from_dict
 from dpadapter.train.dp_fit import FitSettings
 from dpadapter.train.per_sample import (
     GRAD_SAMPLE_MODES,

@@ -22,9 +22,9 @@ from torch.nn import functional as F
 
 import dpadapter.train.dp_fit as fit
 from dpadapter.algorithms import DPAlgorithm
-from dpadapter.config import ModelConfig
 from dpadapter.data import build_splits, public_train
 from dpadapter.models import create_model
+from dpadapter.settings import ModelConfig
 from dpadapter.train.dp_spec import run_spec
 from dpadapter.train.per_sample import bind_optimizer, bookkeeping, wrap_for_dp
 from dpadapter.train.per_sample import precision as precision_mod
@@ -328,7 +328,7 @@ def test_loss_scale_is_part_of_the_resume_state():
 
 
 def test_precision_is_validated_before_any_job(tiny_raw):
-    from dpadapter.config import ConfigError
+    from dpadapter.settings import ConfigError
     from dpadapter.validation import validate
 
     for ok in ("fp32", "bf16", "fp16"):

@@ -16,9 +16,9 @@ from torch import nn
 from torch.nn import functional as F
 
 import dpadapter.train.dp_fit as fit
-from dpadapter.config import ModelConfig
 from dpadapter.data import build_splits
 from dpadapter.models import create_model
+from dpadapter.settings import ModelConfig
 from dpadapter.train.dp_spec import run_spec
 from dpadapter.train.per_sample import bind_optimizer, wrap_for_dp
 from dpadapter.train.per_sample.precision import Precision

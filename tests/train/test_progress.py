@@ -36,7 +36,7 @@ def test_line_fields_and_remaining_time():
 
 
 def test_warmup_and_dpadapter_logs_have_a_line_per_epoch(tiny_raw, tmp_path, monkeypatch, capfd):
-    from dpadapter.config import from_dict
+    from dpadapter.settings import from_dict
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlruns.db'}")
@@ -59,7 +59,7 @@ def test_warmup_and_dpadapter_logs_have_a_line_per_epoch(tiny_raw, tmp_path, mon
 
 
 def test_finetune_job_log_has_dp_fields_per_epoch(tiny_raw, tmp_path, monkeypatch, capfd):
-    from dpadapter.config import from_dict
+    from dpadapter.settings import from_dict
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlruns.db'}")

@@ -9,7 +9,7 @@ import pytest
 import torch
 from upstream.upstream_helpers import indexed_data, small_model  # noqa: E402
 
-from dpadapter.config import SGDConfig
+from dpadapter.settings import SGDConfig
 from dpadapter.stages import pretrain, warmup
 from dpadapter.train import progress as progress_mod
 from dpadapter.train.loops import sgd_train, standard_step
@@ -131,7 +131,7 @@ def _mlflow_runs(tmp_path):
 
 
 def test_warmup_stage_resumes_after_a_kill(tiny_raw, tmp_path, monkeypatch):
-    from dpadapter.config import from_dict
+    from dpadapter.settings import from_dict
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlruns.db'}")
@@ -160,7 +160,7 @@ def test_warmup_stage_resumes_after_a_kill(tiny_raw, tmp_path, monkeypatch):
 
 
 def test_dpadapter_pretraining_resumes_after_a_kill(tiny_raw, tmp_path, monkeypatch):
-    from dpadapter.config import from_dict
+    from dpadapter.settings import from_dict
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlruns.db'}")

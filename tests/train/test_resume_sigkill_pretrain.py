@@ -16,7 +16,7 @@ import pytest
 import torch
 import yaml
 
-from dpadapter.config import from_dict
+from dpadapter.settings import from_dict
 from dpadapter.stages import warmup
 from dpadapter.train.resume import resume_file_path
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch.utils.data import TensorDataset
 
-from dpadapter.config import SGDConfig
+from dpadapter.settings import SGDConfig
 from dpadapter.train.loops import sgd_train
 
 

@@ -74,9 +74,9 @@ def test_the_paths_of_the_physical_batch_size_are_the_ones_checked(monkeypatch):
 
 
 def test_dp_fit_checks_at_the_configured_physical_batch_size(monkeypatch, tiny_cfg):
-    from dpadapter.config import ModelConfig
     from dpadapter.data import build_splits
     from dpadapter.models import create_model, replace_head
+    from dpadapter.settings import ModelConfig
     from dpadapter.train.dp_fit import FitSettings, dp_fit
     from dpadapter.train.dp_spec import run_spec
 

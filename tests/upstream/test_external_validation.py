@@ -9,8 +9,8 @@ import pytest
 import torch
 from external_helpers import VIT, params_for, save_as, source_model
 
-from dpadapter.config import ConfigError
 from dpadapter.fingerprint import stage_fingerprint
+from dpadapter.settings import ConfigError
 from dpadapter.upstream.resolve import method_class, weights_file
 from dpadapter.validation import validate
 

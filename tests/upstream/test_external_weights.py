@@ -49,7 +49,7 @@ def test_weights_come_back_identical_but_the_head(tiny_cfg, tmp_path, which, for
 def test_pretrain_job_saves_a_checkpoint_that_rebuilds_its_own_backbone(
     tiny_raw, tmp_path, monkeypatch
 ):
-    from dpadapter.config import from_dict
+    from dpadapter.settings import from_dict
 
     monkeypatch.chdir(tmp_path)
 

@@ -17,7 +17,7 @@ from upstream_helpers import (
     small_model,
 )
 
-from dpadapter.config import SGDConfig
+from dpadapter.settings import SGDConfig
 from dpadapter.train.loops import make_sgd, sgd_train, standard_step
 from dpadapter.upstream import UPSTREAMS
 from dpadapter.upstream.dpadapter import EMAPerturbedStep, relative_step_cost

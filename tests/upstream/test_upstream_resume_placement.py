@@ -14,7 +14,7 @@ import torch
 from torch.utils.data import TensorDataset
 from upstream.upstream_helpers import indexed_data, small_model
 
-from dpadapter.config import SGDConfig
+from dpadapter.settings import SGDConfig
 from dpadapter.train.loops import sgd_train
 from dpadapter.train.resume import ResumeFile
 from dpadapter.upstream import UPSTREAMS

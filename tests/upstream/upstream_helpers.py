@@ -8,9 +8,9 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from dpadapter.config import ModelConfig
 from dpadapter.data.tasks import RoleData
 from dpadapter.models import create_model
+from dpadapter.settings import ModelConfig
 from dpadapter.upstream import UpstreamContext
 
 N_CLASSES = 3

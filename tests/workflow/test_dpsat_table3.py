@@ -87,7 +87,7 @@ def test_the_dry_run_plans_the_papers_grid(workdir):
 
 def _fabricate(wd: Path) -> None:
     """What the training jobs of the grid would have written: their metrics and checkpoints."""
-    import dpadapter.config as config
+    import dpadapter.settings as config
 
     raw = config.read_raw(wd / "tiny.yaml")
     cfg = config.from_dict(raw)

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dpadapter.config import from_dict
 from dpadapter.identity import IDENTITY_FILE, OVERWRITE_ENV, check, config_hash, record, sections
+from dpadapter.settings import from_dict
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -13,8 +13,8 @@ import pytest
 from snakemake.iocontainers import Wildcards
 from tiny_config import TINY_RAW
 
-from dpadapter.config import read_raw
 from dpadapter.fingerprint import STAGES, stage_fingerprint
+from dpadapter.settings import read_raw
 from dpadapter.upstream.variants import parse_variant
 
 REPO = Path(__file__).resolve().parents[2]

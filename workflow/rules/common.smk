@@ -11,7 +11,7 @@ from snakemake.exceptions import WorkflowError
 from snakemake.settings.types import DeploymentMethod
 
 from dpadapter import atomic as _atomic
-from dpadapter import config as _config
+from dpadapter import settings as _config
 from dpadapter import dvc_sync as _dvc_sync
 from dpadapter import identity as _identity
 from dpadapter import prefork as _prefork
@@ -31,7 +31,7 @@ logging.root.handlers.clear()
 # user's files (--configfile, else the configfile directive) are read again for duplicate keys
 # and the line of each problem. SystemExit prints the message once, as it is: a WorkflowError
 # would be reported as an error of this file, with its line and a traceback.
-# A config file with `base: <file>` is an overlay (dpadapter.config.read_chain, docs/pipeline.md):
+# A config file with `base: <file>` is an overlay (dpadapter.settings.read_chain, docs/pipeline.md):
 # Snakemake loaded only the overlay, so `config` is rebuilt from the merged chain (and --config
 # on top) before anything reads it; rules see the merged dict. A plain file leaves `config`
 # exactly as Snakemake loaded it.

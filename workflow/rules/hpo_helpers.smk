@@ -1,6 +1,8 @@
 # Paths and helpers of the HPO rules (hpo.smk); kept apart because Snakemake's linter wants
 # rules and functions in separate files.
 from dpadapter.hpo import jobs as _hpo_jobs
+from dpadapter.hpo import probe_pairs as _probe_pairs
+from dpadapter.settings.grid import grid as _grid
 
 HPO_JOBS = _hpo_jobs(CFG)
 HPO_GRID_DIR = f"{RESULTS}/hpo/{{upstream}}/{{task}}/{{algo}}"
@@ -30,13 +32,11 @@ def _trial_paths(wc, sweeps=None):
 # The linear-probe regime (hpo_probe.smk): one feature file, oracle and summary per
 # (upstream, task); one replicate per HPO seed.
 def _probe_expand(pattern, seeds=False):
-    h = CFG.hpo
-    pairs = [(u, t) for u in (h.upstreams or CFG.upstreams) for t in (h.tasks or tuple(CFG.tasks))]
+    pairs = _probe_pairs(CFG)
     return list(
         dict.fromkeys(
             pattern.format(upstream=u, task=t, seed=s)
-            for u, t in pairs
-            for s in (h.seeds if seeds else [None])
+            for (u, t), s in _grid(pairs, CFG.hpo.seeds if seeds else [None])
         )
     )
 

@@ -1,16 +1,15 @@
 # The paper's gamma sweeps: each method of `sweeps.methods` pre-trained at every gamma (as an
 # upstream variant `method+gamma=g`, through the ordinary pretrain/finetune rules), DPAdapter's
 # variants fine-tuned at one epsilon; figures + CSVs under results/figures/.
+from dpadapter.settings.grid import grid as _grid
 from dpadapter.upstream.variants import format_variant
 
 SWEEP = CFG.sweeps
-SWEEP_UPSTREAMS = [format_variant(m, gamma=g) for m in SWEEP.methods for g in SWEEP.gammas]
+SWEEP_UPSTREAMS = [format_variant(m, gamma=g) for m, g in _grid(SWEEP.methods, SWEEP.gammas)]
 SWEEP_FINETUNE = [
     f"{RESULTS}/finetune/{format_variant('dpadapter', gamma=g)}/{t}/{SWEEP.algorithm}/"
     f"eps{SWEEP.epsilon:g}/seed{s}/metrics.json"
-    for g in SWEEP.gammas
-    for t in (SWEEP.tasks or TASKS)
-    for s in SWEEP.seeds
+    for g, t, s in _grid(SWEEP.gammas, SWEEP.tasks or TASKS, SWEEP.seeds)
 ] if "dpadapter" in SWEEP.methods else []
 
 

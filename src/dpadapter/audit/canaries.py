@@ -34,8 +34,8 @@ from torch.utils.data import TensorDataset
 
 from dpadapter.algorithms import ALGORITHMS
 from dpadapter.audit.bound import epsilon_lower_bound, guess_counts
-from dpadapter.config import Config
 from dpadapter.data import build_splits
+from dpadapter.settings import Config
 from dpadapter.train.dp_fit import FitSettings, dp_fit
 from dpadapter.train.dp_spec import run_spec
 

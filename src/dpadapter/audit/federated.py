@@ -28,13 +28,13 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from dpadapter.audit.canaries import bounds, draw_canaries, score_canaries
-from dpadapter.config import Config
 from dpadapter.data import build_splits
 from dpadapter.federated.mechanisms import GAUSSIAN, LAPLACE
 from dpadapter.federated.partition import dirichlet_partition
 from dpadapter.federated.simulation import Client, Federation
 from dpadapter.federated.stage import mechanism_run, plan_noise
 from dpadapter.privacy import randomness
+from dpadapter.settings import Config
 from dpadapter.strategies import get_strategy
 from dpadapter.train.per_sample import wrap_for_dp
 

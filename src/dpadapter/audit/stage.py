@@ -13,7 +13,9 @@ import os
 from pathlib import Path
 
 from dpadapter import catalog
-from dpadapter.config import Config, ConfigError
+from dpadapter.audit.checks import FEDERATED_PREFIX, check
+from dpadapter.settings import Config
+from dpadapter.settings.grid import grid
 
 COLUMNS = (
     "algorithm",
@@ -33,35 +35,10 @@ def audit_algorithms(cfg: Config) -> list[str]:
     return list(cfg.audit.algorithms) or sorted(catalog.algorithms())
 
 
-FEDERATED_PREFIX = "federated-"
-
-
 def audit_jobs(cfg: Config) -> list[tuple[str, float]]:
     """Every (algorithm, epsilon) the audit runs: algorithms, then federated mechanisms."""
     names = audit_algorithms(cfg) + [FEDERATED_PREFIX + m for m in cfg.audit.federated]
-    return [(a, float(e)) for a in names for e in cfg.audit.epsilons]
-
-
-def audit_problems(cfg: Config) -> list[str]:
-    """Cross-field checks of the `audit` section, against the registry and the tasks."""
-    a, out, known = cfg.audit, [], catalog.algorithms()
-    for name in a.algorithms:
-        if name not in known:
-            out.append(f"audit.algorithms: unknown algorithm {name!r}; known: {sorted(known)}")
-    if a.task is not None and a.task not in cfg.tasks:
-        out.append(f"audit.task: unknown task {a.task!r}; known: {sorted(cfg.tasks)}")
-    for name in known:
-        if name.startswith(FEDERATED_PREFIX):
-            out.append(f"algorithm {name!r}: the prefix {FEDERATED_PREFIX!r} is the audit's")
-    if any(2 * k > a.canaries for k in a.guesses):
-        out.append(f"audit.guesses: every k needs 2k <= audit.canaries = {a.canaries}")
-    return out
-
-
-def check(cfg: Config) -> None:
-    problems = audit_problems(cfg)
-    if problems:
-        raise ConfigError("invalid config:\n" + "\n".join(f"  {p}" for p in problems))
+    return grid(names, [float(e) for e in cfg.audit.epsilons])
 
 
 def run(cfg: Config, algo: str, eps: float, out_dir: Path) -> dict:

@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import TensorDataset
 
-from dpadapter.config import Config, SplitConfig
 from dpadapter.data.registry import ArraySplit, load_dataset
+from dpadapter.settings import Config, SplitConfig
 
 
 class SplitError(ValueError):

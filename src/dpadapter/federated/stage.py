@@ -16,7 +16,6 @@ import torch
 from torch.utils.data import TensorDataset
 
 from dpadapter import device as devices
-from dpadapter.config import Config
 from dpadapter.data import build_splits
 from dpadapter.federated.estimate import (
     RuleConstants,
@@ -41,6 +40,7 @@ from dpadapter.job import seed_everything, training_job
 from dpadapter.models import replace_head
 from dpadapter.models.batchnorm import freeze_batchnorm
 from dpadapter.privacy import Segment, verify_plan
+from dpadapter.settings import Config
 from dpadapter.strategies import FT, PHASES, apply_phase, get_strategy, released_dims
 from dpadapter.train.batching import wants_padding
 from dpadapter.train.checkpoint import load_model

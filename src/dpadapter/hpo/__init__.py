@@ -8,16 +8,23 @@ decompositions, the r(eps) fit), `selection` (private release of each sweep's wi
 replicate), `cli` (the stages' entry points) and `jobs` below (what the workflow schedules).
 """
 
-__all__ = ["jobs"]
+from dpadapter.settings.grid import grid
+
+__all__ = ["jobs", "probe_pairs"]
 
 
 def jobs(cfg) -> list[tuple[str, str, str, int]]:
     """Every (upstream, task, algorithm, seed) HPO; empty upstreams/tasks mean all."""
     h = cfg.hpo
-    return [
-        (u, t, a, int(s))
-        for u in (h.upstreams or cfg.upstreams)
-        for t in (h.tasks or tuple(cfg.tasks))
-        for a in h.algorithms
-        for s in h.seeds
-    ]
+    return grid(*_axes(cfg), h.algorithms, [int(s) for s in h.seeds])
+
+
+def _axes(cfg) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The upstreams and tasks the HPO runs on: `hpo.upstreams`/`hpo.tasks`, empty = all."""
+    h = cfg.hpo
+    return h.upstreams or cfg.upstreams, h.tasks or tuple(cfg.tasks)
+
+
+def probe_pairs(cfg) -> list[tuple[str, str]]:
+    """Every (upstream, task) of the linear-probe regime (one feature file, oracle, summary)."""
+    return grid(*_axes(cfg))

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from dpadapter.config import Config
+from dpadapter.settings import Config
 
 
 def add_parsers(parser: argparse.ArgumentParser) -> None:

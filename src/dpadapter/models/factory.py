@@ -5,12 +5,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dpadapter.config import ModelConfig
 from dpadapter.models.batchnorm import apply_batchnorm_choice
 from dpadapter.models.dpnas import DPNASMNIST
 from dpadapter.models.nets import ResNet20GN, SmallCNN
 from dpadapter.models.pretrain_dpfl import PretrainDPFLCNN
 from dpadapter.models.resnet10 import GNResNet10
+from dpadapter.settings import ModelConfig
 
 MODEL_NAMES = {
     "resnet20-gn": ResNet20GN,

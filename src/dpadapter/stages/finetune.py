@@ -14,10 +14,10 @@ import math
 from pathlib import Path
 
 from dpadapter.algorithms import ALGORITHMS
-from dpadapter.config import Config
 from dpadapter.data import build_splits, public_train
 from dpadapter.job import seed_everything, training_job
 from dpadapter.models import replace_head
+from dpadapter.settings import Config
 from dpadapter.strategies import get_strategy, released_dim
 from dpadapter.train.checkpoint import load_model, save_model
 from dpadapter.train.dp_fit import FitSettings, dp_fit, privacy_record

@@ -16,7 +16,7 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 
-from dpadapter.config import ReferenceCell, ReferenceConfig
+from dpadapter.settings import ReferenceCell, ReferenceConfig
 from dpadapter.tables import write_csv
 
 COLUMNS = [

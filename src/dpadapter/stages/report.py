@@ -19,7 +19,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
 
-from dpadapter.config import Config
+from dpadapter.settings import Config
 from dpadapter.tables import (
     NOT_MEASURED,
     SINGLE,

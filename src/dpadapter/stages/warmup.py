@@ -5,10 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from dpadapter import device as devices
-from dpadapter.config import Config
 from dpadapter.data import build_splits
 from dpadapter.job import seed_everything, training_job
 from dpadapter.models import create_model
+from dpadapter.settings import Config
 from dpadapter.stages.pretrain import public_report
 from dpadapter.train.checkpoint import save_model
 from dpadapter.train.loops import sgd_train

@@ -19,9 +19,9 @@ import torch
 from torch import nn
 
 from dpadapter import atomic
-from dpadapter.config import ModelConfig
 from dpadapter.models import create_model
 from dpadapter.models.input_adapter import AdapterSpec, adapt
+from dpadapter.settings import ModelConfig
 
 
 def model_record(model_cfg: ModelConfig | dict[str, Any]) -> dict[str, Any]:

@@ -18,9 +18,9 @@ from torch.utils.data import Dataset, TensorDataset
 
 from dpadapter import device as devices
 from dpadapter.algorithms import ALGORITHMS, DPRunSpec
-from dpadapter.config import Config
 from dpadapter.models.batchnorm import freeze_batchnorm
 from dpadapter.privacy import PrivacyLedger, randomness, verify_plan
+from dpadapter.settings import Config
 from dpadapter.strategies import Schedule, apply_phase
 from dpadapter.train.batching import PAD_LABEL, dp_batches, masked_cross_entropy
 from dpadapter.train.dp_spec import padding

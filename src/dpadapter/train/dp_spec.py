@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from dpadapter.algorithms import DPRunSpec
-from dpadapter.config import Config
+from dpadapter.settings import Config
 from dpadapter.train.batching import padded_size, wants_padding
 
 

@@ -14,8 +14,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from tqdm.auto import tqdm
 
 from dpadapter import device as devices
-from dpadapter.config import SGDConfig
 from dpadapter.device import to
+from dpadapter.settings import SGDConfig
 from dpadapter.train.batching import ShuffledBatches
 from dpadapter.train.progress import ProgressLine
 from dpadapter.train.resume import ResumeFile

@@ -10,6 +10,11 @@ forward at the size the input adapter hands it; the weights file's keys and shap
 backbone (read lazily: a memory-mapped torch file, a safetensors header), with the classifier
 left out exactly as the pretrain job leaves it out. Only configs that name a timm backbone or
 an external upstream import timm or torch here; the default config's parse stays light.
+
+Below them, the names and params of `pretrain` and `sweeps` (the gamma sweeps are upstream
+methods at several radii) against the registry and the rest of the config, read from
+`dpadapter.catalog` without torch. Each problem is a `key: text` line; `dpadapter.validation`
+composes them.
 """
 
 from __future__ import annotations
@@ -19,8 +24,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from dpadapter.config import Config, ModelConfig
-from dpadapter.upstream.resolve import EXTERNAL, resolve
+from dpadapter import catalog
+from dpadapter.param_schema import param_errors
+from dpadapter.settings import Config, ModelConfig
+from dpadapter.settings.errors import missing
+from dpadapter.upstream.resolve import EXTERNAL, known_names, resolve
+from dpadapter.upstream.variants import format_variant, parse_variant
 
 SHOWN = 3  # names per kind of mismatch in the message; the full list goes to stderr
 
@@ -159,3 +168,143 @@ def _weight_problems(backbone, params: dict[str, Any], at: str, head: str) -> li
         f"{at}.model and {at}.timm_args against what the checkpoint was saved from (every key "
         "is listed on stderr above)"
     ]
+
+
+# --- the config's upstream names and params (no torch) ---------------------------------------
+
+
+def method_problems(cfg: Config) -> list[str]:
+    """`pretrain.methods` against the registry and `pretrain.external`; what `control` matches."""
+    problems, methods = [], catalog.upstreams()
+    for name in cfg.upstreams:
+        if name not in methods and name not in cfg.external_upstreams:
+            problems.append(
+                f"pretrain.methods: unknown upstream method {name!r}; known: {known_names(cfg)}"
+            )
+    match = cfg.upstream_params.get("control", {}).get("match")
+    if match is not None and not (match in methods and methods[match].sgd_schedule):
+        schedules = sorted(n for n, e in methods.items() if e.sgd_schedule)
+        problems.append(
+            f"pretrain.params.control.match: {match!r} has no SGD schedule to match; "
+            f"one of {schedules}"
+        )
+    return problems
+
+
+def sweep_problems(cfg: Config) -> list[str]:
+    """The gamma sweeps' methods (each variant against its params schema), tasks, algorithm."""
+    problems, methods, algos = [], catalog.upstreams(), catalog.algorithms()
+    for i, name in enumerate(cfg.sweeps.methods):
+        if name not in methods:
+            problems.append(f"sweeps.methods: unknown upstream method {name!r}")
+            continue
+        for g in cfg.sweeps.gammas:
+            variant = format_variant(name, gamma=g)
+            found = variant_problems(variant, cfg.upstream_params, f"sweeps.methods.{i}")
+            problems += found
+            if found:
+                break  # the other gammas fail the same way
+    problems += missing("sweeps.tasks", cfg.sweeps.tasks, cfg.tasks, "unknown task {}")
+    if cfg.sweeps.algorithm not in algos:
+        problems.append(f"sweeps.algorithm: unknown algorithm {cfg.sweeps.algorithm!r}")
+    return problems
+
+
+def variant_problems(
+    name: str,
+    params: dict[str, dict[str, Any]],
+    where: str,
+    external: dict[str, dict[str, Any]] | None = None,
+) -> list[str]:
+    """Problems of an upstream name `method[+param=value]...` against the method's schema.
+
+    The variant's params are the config's `pretrain.params.<method>` (or `pretrain.external.
+    <label>`) with the overrides on top, which is what the pretrain job will construct the
+    method with (`dpadapter.upstream.resolve`).
+    """
+    try:
+        entry, merged, at = resolve(name, params, external)
+    except (KeyError, ValueError) as exc:
+        return [f"{where}: {exc.args[0]}"]
+    if not parse_variant(name)[1]:
+        return []
+    return [
+        f"{where}: upstream variant {name!r}: {p}"
+        for p in param_errors(entry.params_schema, merged, at)
+    ]
+
+
+def weight_problems(cfg: Config) -> list[str]:
+    """Each external upstream whose weights are not on this machine, with the fetch command."""
+    out = []
+    for name in dict.fromkeys(cfg.upstreams):
+        try:
+            entry, params, at = resolve(name, cfg.upstream_params, cfg.external_upstreams)
+        except (KeyError, ValueError):
+            continue  # reported by method_problems
+        if entry.name != EXTERNAL or "weights" not in params:
+            continue
+        from dpadapter.upstream.external import WeightsUnavailable, locate_weights
+
+        try:
+            locate_weights(params)
+        except WeightsUnavailable as exc:
+            out.append(f"{at}.weights: {exc}")
+    return out
+
+
+def label_problems(cfg: Config) -> list[str]:
+    """Labels of `pretrain.external`, and each external upstream's params against the data."""
+    out, models = [], catalog.models()
+    for label in cfg.external_upstreams:
+        if label in catalog.upstreams():
+            out.append(
+                f"pretrain.external.{label}: the label is a registered method's name; "
+                "pick another (it becomes an upstream name)"
+            )
+        elif label not in cfg.upstreams:
+            out.append(f"pretrain.external.{label}: not in pretrain.methods, so never built")
+    norm = cfg.data.normalization
+    identity = norm is not None and all(m == 0 for m in norm[0]) and all(s == 1 for s in norm[1])
+    for name in dict.fromkeys(cfg.upstreams):
+        try:
+            entry, params, at = resolve(name, cfg.upstream_params, cfg.external_upstreams)
+        except (KeyError, ValueError):
+            continue
+        if entry.name != EXTERNAL:
+            continue
+        found = param_errors(entry.params_schema, params, at)
+        if found:  # e.g. `external` in pretrain.methods with no pretrain.params.external
+            out += found
+            continue
+        model = params["model"]
+        if not model.startswith("timm:") and model not in models:
+            out.append(
+                f"{at}.model: unknown model {model!r}; known: {sorted(models)} or timm:<name>"
+            )
+            continue
+        from dpadapter.upstream.external import External  # timm, for its pretrained_cfg
+
+        method = External(params)
+        try:
+            method.adapter_spec(1)
+        except ValueError as exc:
+            out.append(f"{at}.input.normalization: {exc}")
+            continue
+        if method.normalizes() and not identity:
+            out.append(
+                f"data.normalization: {at} normalises in its input adapter (input.normalization "
+                "is not `data`), so the images must arrive in [0, 1]: set data.normalization to "
+                "{mean: [0, ...], std: [1, ...]} (one entry per channel of the data), or "
+                f"{at}.input.normalization: data"
+            )
+    return out
+
+
+def backbone_problems(cfg: Config, check_files: bool) -> list[str]:
+    """timm names, input sizes and weights files of the backbones (`external_problems`), only
+    where a config names a timm model or an external upstream: no torch import otherwise."""
+    external = cfg.external_upstreams or any(n.split("+")[0] == "external" for n in cfg.upstreams)
+    if not cfg.model.name.startswith("timm:") and not external:
+        return []
+    return external_problems(cfg, check_files)

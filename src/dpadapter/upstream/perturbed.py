@@ -64,7 +64,6 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from dpadapter.config import SGDConfig
 from dpadapter.device import Place, gather, to
 from dpadapter.param_schema import (
     FRACTION,
@@ -74,6 +73,7 @@ from dpadapter.param_schema import (
     POSITIVE_INT,
     nullable,
 )
+from dpadapter.settings import SGDConfig
 from dpadapter.train.loops import sgd_train
 from dpadapter.upstream.base import UpstreamContext, UpstreamMethod
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from dpadapter import catalog
-from dpadapter.config import Config
+from dpadapter.settings import Config
 from dpadapter.upstream.variants import parse_variant
 
 if TYPE_CHECKING:

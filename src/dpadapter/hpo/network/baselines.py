@@ -9,12 +9,12 @@ from pathlib import Path
 
 import numpy as np
 
-from dpadapter.config import Config
 from dpadapter.hpo.accounting import Composition, history_of
 from dpadapter.hpo.network.full_budget import final_budget_run
 from dpadapter.hpo.network.plan import load_plan, log_to_parent, read_json, write_json
 from dpadapter.hpo.space import step_dict, step_from
 from dpadapter.privacy import Segment
+from dpadapter.settings import Config
 
 
 def random_search(cfg: Config, plan_path: Path, ckpt: Path, out_dir: Path) -> dict:

@@ -8,12 +8,12 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from dpadapter.config import Config
 from dpadapter.hpo.accounting import TOL, Composition, history_of, is_prefix
 from dpadapter.hpo.network.full_budget import final_budget_run
 from dpadapter.hpo.network.plan import load_plan, log_to_parent, read_json, write_json
 from dpadapter.hpo.space import fit_scaling, space_of, step_dict, step_from
 from dpadapter.privacy import Segment
+from dpadapter.settings import Config
 
 
 def fit(cfg: Config, plan_path: Path, sweep_paths: list[Path], out: Path) -> dict:

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dpadapter.config import Config
 from dpadapter.hpo.network.runner import count_correct, strategy_of, train_config
 from dpadapter.hpo.space import StepConfig, step_dict
+from dpadapter.settings import Config
 
 
 def final_budget_run(

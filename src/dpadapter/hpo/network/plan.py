@@ -15,7 +15,6 @@ from typing import Any
 
 import numpy as np
 
-from dpadapter.config import Config
 from dpadapter.hpo.accounting import Composition, history_of, history_rows
 from dpadapter.hpo.network.calibration import calibrate_final_epsilon, final_epsilon_guess
 from dpadapter.hpo.network.runner import planned_history, step_spec, task_sizes
@@ -23,6 +22,7 @@ from dpadapter.hpo.seeds import R_STREAM, RANDOM_SEARCH_STREAM, trial_seed
 from dpadapter.hpo.selection import NOT_ACCOUNTED, selection_of
 from dpadapter.hpo.space import space_of, step_dict
 from dpadapter.privacy import Segment
+from dpadapter.settings import Config
 
 PLAN_VERSION = 1
 

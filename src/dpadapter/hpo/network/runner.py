@@ -20,10 +20,10 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from dpadapter.algorithms import ALGORITHMS, DPRunSpec
-from dpadapter.config import Config
 from dpadapter.hpo.accounting import merge_segments
 from dpadapter.hpo.space import StepConfig
 from dpadapter.privacy import PrivacyLedger, Segment
+from dpadapter.settings import Config
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dpadapter.config import Config
 from dpadapter.hpo.accounting import history_of, is_prefix
 from dpadapter.hpo.network.plan import load_plan, read_json, write_json
 from dpadapter.hpo.network.runner import count_correct, private_data, strategy_of, train_config
@@ -17,6 +16,7 @@ from dpadapter.hpo.seeds import SELECTION_STREAM
 from dpadapter.hpo.selection import selection_of
 from dpadapter.hpo.space import step_dict, step_from
 from dpadapter.privacy.randomness import selection_random
+from dpadapter.settings import Config
 
 
 def trial(cfg: Config, plan_path: Path, sweep: int, index: int, ckpt: Path, out_dir: Path) -> dict:

@@ -1,0 +1,120 @@
+"""The main grid's stages' own checks of a config: fine-tuning (its names, its model, and the
+privacy budget its grid can reach) and the report's published table (`reference`).
+
+Names are read from `dpadapter.catalog` without torch; dataset sizes from the registry's
+declared counts (`dpadapter.data.sizes`). Each problem is a `key: text` line;
+`dpadapter.validation` composes them.
+"""
+
+from __future__ import annotations
+
+from dpadapter import catalog
+from dpadapter.data.sizes import task_sizes
+from dpadapter.privacy import max_reachable_epsilon
+from dpadapter.privacy.calibration import SIGMA_MIN
+from dpadapter.settings import Config
+from dpadapter.settings.errors import NOT_METHOD, missing
+
+
+def algorithm_problems(cfg: Config) -> list[str]:
+    """`finetune.algorithms` against the registry."""
+    algos = catalog.algorithms()
+    return [
+        f"finetune.algorithms: unknown algorithm {name!r}; known: {sorted(algos)}"
+        for name in cfg.finetune.algorithms
+        if name not in algos
+    ]
+
+
+def grid_problems(cfg: Config) -> list[str]:
+    """The fine-tuning grids' names against the config and the registry, what `finetune`
+    tells alone, the model's name and the privacy section's delta."""
+    problems, ft, algos, models = [], cfg.finetune, catalog.algorithms(), catalog.models()
+    problems += missing("finetune.upstreams", ft.upstreams, cfg.upstreams, NOT_METHOD)
+    for i, g in enumerate(ft.extra_grids):
+        where = f"finetune.extra_grids.{i}"
+        problems += missing(f"{where}.algorithms", g.algorithms, algos, "unknown algorithm {}")
+        problems += missing(f"{where}.upstreams", g.upstreams, cfg.upstreams, NOT_METHOD)
+        problems += missing(f"{where}.tasks", g.tasks, cfg.tasks, "unknown task {}")
+    problems += ft.problems()
+    for i, entry in enumerate(ft.algo_params_for):
+        where = f"finetune.algo_params_for.{i}"
+        problems += missing(f"{where}.upstreams", entry.upstreams, cfg.upstreams, NOT_METHOD)
+        problems += missing(f"{where}.tasks", entry.tasks, cfg.tasks, "unknown task {}")
+    if not cfg.model.name.startswith("timm:") and cfg.model.name not in models:
+        problems.append(
+            f"model.name: unknown model {cfg.model.name!r}; "
+            f"known: {sorted(models)} or 'timm:<name>'"
+        )
+    if not 0 < cfg.privacy.delta < 1:
+        problems.append("privacy.delta: must be in (0, 1)")
+    return problems
+
+
+def privacy_problems(cfg: Config) -> list[str]:
+    """Delta against the smallest task, each grid epsilon against what the calibration reaches."""
+    out = []
+    delta = cfg.privacy.delta
+    if not 0 < delta < 1:
+        return out
+    sizes = {n: s for n, s in task_sizes(cfg).items() if s > 0}
+    if sizes:
+        task, n = min(sizes.items(), key=lambda kv: kv[1])
+        if delta >= 1 / n:
+            out.append(
+                f"privacy.delta: {delta:g} is not below 1/n = {1 / n:.3g} for task {task!r} "
+                f"({n} training examples): a delta of 1/n allows releasing an example outright; "
+                f"use delta << 1/n (e.g. 1.0e-5)"
+            )
+            return out
+    ft = cfg.finetune
+    grids: dict[str, dict[float, str]] = {}
+    for _, t, _, e, _ in cfg.finetune_grid():
+        grids.setdefault(t, {}).setdefault(float(e), "finetune.epsilons")
+    if "dpadapter" in cfg.sweeps.methods:  # the sweeps fine-tune DPAdapter's variants only
+        for t in cfg.sweeps.tasks or tuple(cfg.tasks):
+            grids.setdefault(t, {}).setdefault(float(cfg.sweeps.epsilon), "sweeps.epsilon")
+    for task, epsilons in grids.items():
+        n = sizes.get(task)
+        if n is None:
+            continue
+        if ft.batch_size > n:
+            out.append(
+                f"finetune.batch_size: {ft.batch_size} exceeds task {task!r}'s {n} training "
+                "examples"
+            )
+            continue
+        q = ft.batch_size / n
+        steps = ft.epochs * int(1 / q)
+        top = max_reachable_epsilon(delta, q, steps)
+        for eps in sorted(e for e in epsilons if e > top):
+            out.append(
+                f"{epsilons[eps]}: epsilon {eps:g} on task {task!r} is out of reach of the "
+                f"sigma calibration: even sigma = {SIGMA_MIN} (negligible noise) gives "
+                f"epsilon <= {top:.3g} for {ft.epochs} epochs at sample rate {q:.3g}; use an "
+                "epsilon below that"
+            )
+    return out
+
+
+def reference_problems(cfg: Config) -> list[str]:
+    """The published table must point at runs this config makes, or its columns stay empty."""
+    ref, out, algos = cfg.reference, [], catalog.algorithms()
+    if ref is None:
+        return out
+    if ref.upstream not in cfg.upstreams:
+        out.append(f"reference.upstream: {ref.upstream!r} is not in pretrain.methods")
+    if ref.task not in cfg.tasks:
+        out.append(f"reference.task: unknown task {ref.task!r}; known: {sorted(cfg.tasks)}")
+    cells = {c.algorithm for c in ref.cells}
+    for i, c in enumerate(ref.cells):
+        if c.algorithm not in algos:
+            out.append(f"reference.cells.{i}.algorithm: unknown algorithm {c.algorithm!r}")
+        if c.upstream is not None and c.upstream not in cfg.upstreams:
+            out.append(f"reference.cells.{i}.upstream: {c.upstream!r} is not in pretrain.methods")
+        if c.task is not None and c.task not in cfg.tasks:
+            out.append(f"reference.cells.{i}.task: unknown task {c.task!r}")
+    for key in ("baseline", "improved"):
+        if getattr(ref, key) not in cells:
+            out.append(f"reference.{key}: {getattr(ref, key)!r} has no cell in reference.cells")
+    return out
