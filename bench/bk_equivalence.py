@@ -40,8 +40,8 @@ from dpadapter.config import ModelConfig, load
 from dpadapter.models import create_model
 from dpadapter.models.batchnorm import apply_batchnorm_choice, freeze_batchnorm
 from dpadapter.models.input_adapter import adapt
+from dpadapter.per_sample import bind_optimizer, wrap_for_dp
 from dpadapter.strategies import apply_phase
-from dpadapter.train.per_sample import bind_optimizer, wrap_for_dp
 
 warnings.filterwarnings("ignore", message="Full backward hook is firing")
 warnings.filterwarnings("ignore", message="Using a non-full backward hook")

@@ -1,6 +1,6 @@
 """Per-example conv weight gradients: the grouped kernel against im2col + bmm, per layer shape.
 
-The evidence behind `IM2COL_MAX_IN_CHANNELS` in dpadapter.train.per_sample.bookkeeping: both
+The evidence behind `IM2COL_MAX_IN_CHANNELS` in dpadapter.per_sample.bookkeeping: both
 kernels on the convolutions of the benchmarked models, in one process, median of `--repeats` calls.
 
     .venv/bin/python bench/conv_per_example.py [--threads 2] [--repeats 30]
@@ -15,7 +15,7 @@ import torch
 from dp_step import _median_step  # bench/ is on sys.path when run as a script
 from torch import nn
 
-from dpadapter.train.per_sample.bookkeeping import (
+from dpadapter.per_sample.bookkeeping import (
     _conv_per_example_grouped,
     _conv_per_example_im2col,
 )

@@ -14,7 +14,7 @@ batch 2048, the embedded CNN `cnn-gn` width 16 batch 200) and each mode:
                backward; per-sample gradients are never stored;
 - `fgc`:       the same without ghost norms (per-sample gradient norms of every layer);
 - `bk`:        the pipeline's book-keeping path (`finetune.grad_sample_mode: bk`,
-               dpadapter.train.per_sample.bookkeeping): one backward without the weights' unclipped
+               dpadapter.per_sample.bookkeeping): one backward without the weights' unclipped
                gradients, per-layer norms by ghost norm or per-example gradient (whichever is
                cheaper), the clipped sum as one weight-gradient kernel per layer.
 
@@ -65,7 +65,7 @@ from torch import nn
 import dpadapter  # noqa: F401  (torchvision compatibility shim before any model import)
 from dpadapter.config import ModelConfig
 from dpadapter.models import create_model
-from dpadapter.train.per_sample import bind_optimizer, wrap_for_dp
+from dpadapter.per_sample import bind_optimizer, wrap_for_dp
 
 # Opacus' hooks on a first layer whose input needs no gradient; harmless and the same every step.
 warnings.filterwarnings("ignore", message="Full backward hook is firing")

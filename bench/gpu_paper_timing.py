@@ -33,12 +33,12 @@ from dpadapter import device as devices
 from dpadapter.algorithms import ALGORITHMS
 from dpadapter.config import load
 from dpadapter.models import create_model
+from dpadapter.per_sample import bind_optimizer, effective_mode, wrap_for_dp
+from dpadapter.per_sample.precision import make_precision
 from dpadapter.privacy import PrivacyLedger
 from dpadapter.train.batching import masked_cross_entropy, padded_size
 from dpadapter.train.dp_spec import run_spec
 from dpadapter.train.loops import make_sgd, standard_step
-from dpadapter.train.per_sample import bind_optimizer, effective_mode, wrap_for_dp
-from dpadapter.train.per_sample.precision import make_precision
 from dpadapter.upstream import UPSTREAMS
 
 REPO = Path(__file__).resolve().parents[1]

@@ -23,8 +23,8 @@ import torch
 from opacus.optimizers import DPOptimizer
 
 import dpadapter  # noqa: F401  (torchvision shim)
-from dpadapter.train.per_sample import bookkeeping
-from dpadapter.train.per_sample.bookkeeping import BookKeepingModule, attach_bookkeeping
+from dpadapter.per_sample import bookkeeping
+from dpadapter.per_sample.bookkeeping import BookKeepingModule, attach_bookkeeping
 
 TOKENS = ("cls_token", "pos_embed")
 

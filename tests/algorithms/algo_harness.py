@@ -22,8 +22,8 @@ from torch.utils.data import TensorDataset
 from dpadapter.algorithms import ALGORITHMS, DPAlgorithm, DPRunSpec
 from dpadapter.config import ModelConfig
 from dpadapter.models import create_model
+from dpadapter.per_sample import bind_optimizer, wrap_for_dp
 from dpadapter.privacy import PrivacyLedger
-from dpadapter.train.per_sample import bind_optimizer, wrap_for_dp
 
 # The per-sample mode `build` wraps in when none is given (test_privacy_suite sets it per test).
 MODE = "hooks"

@@ -36,7 +36,7 @@ def test_bk_gives_ews_clipped_sum_on_the_embedded_cnn(eq, cases, phase):
 
 
 def test_a_wrong_clip_factor_fails_the_check(eq, cases, monkeypatch):
-    from dpadapter.train.per_sample import bookkeeping
+    from dpadapter.per_sample import bookkeeping
 
     real = bookkeeping.clip_factors
     monkeypatch.setattr(bookkeeping, "clip_factors", lambda n, c: real(n, c * 1.01))

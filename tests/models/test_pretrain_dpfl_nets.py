@@ -9,7 +9,7 @@ from opacus.validators import ModuleValidator
 
 from dpadapter.config import ModelConfig
 from dpadapter.models import create_model, get_head_params, replace_head
-from dpadapter.train.per_sample import wrap_for_dp
+from dpadapter.per_sample import wrap_for_dp
 
 
 def _counts(model):

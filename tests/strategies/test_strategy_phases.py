@@ -9,6 +9,7 @@ import torch
 
 from dpadapter.config import ModelConfig
 from dpadapter.models import create_model, get_head_params
+from dpadapter.per_sample import GRAD_SAMPLE_MODES
 from dpadapter.strategies import (
     BITFIT,
     FT,
@@ -21,7 +22,6 @@ from dpadapter.strategies import (
     released_dims,
     trainable_params,
 )
-from dpadapter.train.per_sample import GRAD_SAMPLE_MODES
 
 
 def _model():

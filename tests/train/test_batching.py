@@ -15,6 +15,7 @@ from dpadapter.config import ModelConfig
 from dpadapter.data import build_splits, public_train
 from dpadapter.device import full_fp32
 from dpadapter.models import create_model, replace_head
+from dpadapter.per_sample import bind_optimizer, wrap_for_dp
 from dpadapter.train.batching import (
     PAD_LABEL,
     PoissonBatches,
@@ -24,7 +25,6 @@ from dpadapter.train.batching import (
 )
 from dpadapter.train.dp_fit import FitSettings, dp_fit
 from dpadapter.train.dp_spec import run_spec
-from dpadapter.train.per_sample import bind_optimizer, wrap_for_dp
 
 
 @pytest.fixture

@@ -19,9 +19,9 @@ import dpadapter.train.dp_fit as fit
 from dpadapter.config import ModelConfig
 from dpadapter.data import build_splits
 from dpadapter.models import create_model
+from dpadapter.per_sample import bind_optimizer, wrap_for_dp
+from dpadapter.per_sample.precision import Precision
 from dpadapter.train.dp_spec import run_spec
-from dpadapter.train.per_sample import bind_optimizer, wrap_for_dp
-from dpadapter.train.per_sample.precision import Precision
 
 
 def _fit_fp16(cfg, overflows: int):

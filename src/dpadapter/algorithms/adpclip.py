@@ -30,7 +30,7 @@ from opacus.optimizers import AdaClipDPOptimizer, DPOptimizer
 from dpadapter.algorithms.base import DPAlgorithm, Release, register_algorithm
 from dpadapter.device import Place
 from dpadapter.param_schema import FRACTION, NON_NEGATIVE, POSITIVE, nullable, params_object
-from dpadapter.train.per_sample.clip import clip_factors
+from dpadapter.per_sample.clip import clip_factors
 
 
 def gradient_noise_multiplier(sigma: float, count_noise: float) -> float:

@@ -10,7 +10,7 @@ Phases (each a method):
   noise and before the update (DP-SAT removes the perturbation there);
 - step      `train_step(...)`: forward/backward/step (DP-SAM, with two releases, overrides it);
   every forward/backward of the training loss goes through `_gradient`, the run's precision
-  (`train.per_sample.precision`: autocast, fp16's loss scale and its recomputation).
+  (`per_sample.precision`: autocast, fp16's loss scale and its recomputation).
 Every release goes through `_on_release` (Opacus' step hook, called only for real, non-skipped
 steps) into the run's PrivacyLedger, so the accountant sees exactly the steps taken.
 
@@ -38,8 +38,8 @@ from torch import nn
 
 from dpadapter.device import Place
 from dpadapter.param_schema import param_errors, params_object
+from dpadapter.per_sample.precision import Precision
 from dpadapter.privacy import PrivacyLedger, Segment, calibrate_sigma
-from dpadapter.train.per_sample.precision import Precision
 
 ALGORITHMS: dict[str, type[DPAlgorithm]] = {}
 
@@ -122,7 +122,7 @@ class DPAlgorithm:
     # Whether `set_public_data` must be called before `make_optimizer` (GEP's anchors).
     needs_public_data: ClassVar[bool] = False
     # Whether the algorithm reads per-example gradients itself (not only Opacus' clipped sum):
-    # `grad_sample_mode: bk` then runs Opacus' hooks (dpadapter.train.per_sample).
+    # `grad_sample_mode: bk` then runs Opacus' hooks (dpadapter.per_sample).
     needs_per_sample_gradients: ClassVar[bool] = False
     # The Opacus optimizer class of the clip and noise phases (a subclass overrides one of them).
     optimizer_class: ClassVar[type[DPOptimizer]] = DPOptimizer
@@ -152,7 +152,7 @@ class DPAlgorithm:
         # Set by the loop (`finetune.precision`); fp32 is the plain forward and backward.
         self.precision = Precision()
         self.per_sample_check: dict | None = None  # the wrap-time self-test's record
-        # modules whose statistics DP training froze (train.per_sample.independence)
+        # modules whose statistics DP training froze (per_sample.independence)
         self.frozen_statistics: list[str] = []
 
     @classmethod

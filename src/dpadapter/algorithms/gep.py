@@ -35,8 +35,8 @@ from dpadapter.param_schema import (
     nullable,
     params_object,
 )
+from dpadapter.per_sample.clip import clip_factors
 from dpadapter.privacy.randomness import gaussian_noise
-from dpadapter.train.per_sample.clip import clip_factors
 
 
 def split_groups(sizes: list[int], num_groups: int) -> list[list[int]]:

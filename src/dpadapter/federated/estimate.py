@@ -51,9 +51,9 @@ from torch import nn
 
 from dpadapter.federated.mechanisms import GAUSSIAN, LAPLACE, SENSITIVITY_FACTOR, laplace_noise
 from dpadapter.models import get_head_params
+from dpadapter.per_sample.clip import clip_factors
 from dpadapter.privacy import Segment, randomness
 from dpadapter.strategies import FT, HT, apply_phase
-from dpadapter.train.per_sample.clip import clip_factors
 
 if TYPE_CHECKING:
     from dpadapter.federated.simulation import MechanismRun

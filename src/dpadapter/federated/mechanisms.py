@@ -31,6 +31,7 @@ import torch
 from opacus.optimizers import DPOptimizer
 from opacus.optimizers.optimizer import _check_processed_flag, _mark_as_processed
 
+from dpadapter.per_sample.clip import clip_factors
 from dpadapter.privacy import (
     PrivacyLedger,
     Search,
@@ -43,7 +44,6 @@ from dpadapter.privacy import (
 from dpadapter.privacy.accounting import EPS_ERROR, accountant_version
 from dpadapter.privacy.calibration import KEY_VERSION
 from dpadapter.privacy.memo import cached
-from dpadapter.train.per_sample.clip import clip_factors
 
 GAUSSIAN, LAPLACE = "gaussian", "laplace"
 MECHANISMS = (GAUSSIAN, LAPLACE)

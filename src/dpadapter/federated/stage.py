@@ -40,12 +40,12 @@ from dpadapter.federated.simulation import Client, Federation, MechanismRun
 from dpadapter.job import seed_everything, training_job
 from dpadapter.models import replace_head
 from dpadapter.models.batchnorm import freeze_batchnorm
+from dpadapter.per_sample import effective_mode, wrap_for_dp
 from dpadapter.privacy import Segment, verify_plan
 from dpadapter.strategies import FT, PHASES, apply_phase, get_strategy, released_dims
 from dpadapter.train.batching import wants_padding
 from dpadapter.train.checkpoint import load_model
 from dpadapter.train.loops import evaluate
-from dpadapter.train.per_sample import effective_mode, wrap_for_dp
 from dpadapter.train.progress import ProgressLine
 
 STRATEGY_NAMES = ("scratch", "ht", "ft", "ut", "bitfit")

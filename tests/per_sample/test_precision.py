@@ -1,4 +1,4 @@
-"""Mixed precision of the DP step (train.per_sample.precision): bf16 and fp16 against fp32.
+"""Mixed precision of the DP step (per_sample.precision): bf16 and fp16 against fp32.
 
 The privacy-relevant parts must not be low precision: each example's clipped contribution is
 within C (checked on one-example batches, where the clipped sum is that contribution), the
@@ -25,10 +25,10 @@ from dpadapter.algorithms import DPAlgorithm
 from dpadapter.config import ModelConfig
 from dpadapter.data import build_splits, public_train
 from dpadapter.models import create_model
+from dpadapter.per_sample import bind_optimizer, bookkeeping, wrap_for_dp
+from dpadapter.per_sample import precision as precision_mod
+from dpadapter.per_sample.precision import LossScale, Precision
 from dpadapter.train.dp_spec import run_spec
-from dpadapter.train.per_sample import bind_optimizer, bookkeeping, wrap_for_dp
-from dpadapter.train.per_sample import precision as precision_mod
-from dpadapter.train.per_sample.precision import LossScale, Precision
 
 MODES = ("hooks", "functorch", "ew", "bk")
 

@@ -55,8 +55,8 @@ from opacus.optimizers import DPOptimizer
 from torch import nn
 
 from dpadapter.device import full_fp32
-from dpadapter.train.per_sample.independence import restore_buffers, snapshot_buffers
-from dpadapter.train.per_sample.reference import Reference, reference
+from dpadapter.per_sample.independence import restore_buffers, snapshot_buffers
+from dpadapter.per_sample.reference import Reference, reference
 
 TOLERANCE = 1e-3
 FLOOR = 1e-5
@@ -213,7 +213,7 @@ def _mode_run(wrapped, bind, groups, x, y, clip) -> dict[str, Any]:
     """{norms: {module: (n,)}, sums: {module: [summed_grad]}} as the wrapped mode computes
     them: one forward/backward on the batch, the norms, then (with `bind`) the clipped sums of
     a noiseless DP optimizer bound as training binds it."""
-    from dpadapter.train.per_sample.bookkeeping import BookKeepingModule
+    from dpadapter.per_sample.bookkeeping import BookKeepingModule
 
     params = [p for ps in groups.values() for p in ps]
     F.cross_entropy(wrapped(x), y).backward()

@@ -14,10 +14,10 @@ import torch
 from opacus.grad_sample import GradSampleModule
 from torch import nn
 
-from dpadapter.train.per_sample import PerSampleCheckError, bind_optimizer, wrap_for_dp
-from dpadapter.train.per_sample import bookkeeping as bk_module
-from dpadapter.train.per_sample.bookkeeping import BookKeepingModule
-from dpadapter.train.per_sample.self_test import run_check
+from dpadapter.per_sample import PerSampleCheckError, bind_optimizer, wrap_for_dp
+from dpadapter.per_sample import bookkeeping as bk_module
+from dpadapter.per_sample.bookkeeping import BookKeepingModule
+from dpadapter.per_sample.self_test import run_check
 
 FLAT = ((6,), torch.float32)
 

@@ -15,8 +15,8 @@ import timm
 import torch
 from opacus.optimizers import DPOptimizer
 
-from dpadapter.train.per_sample import bookkeeping
-from dpadapter.train.per_sample.bookkeeping import BookKeepingModule, attach_bookkeeping
+from dpadapter.per_sample import bookkeeping
+from dpadapter.per_sample.bookkeeping import BookKeepingModule, attach_bookkeeping
 
 
 def _step(model: torch.nn.Module) -> BookKeepingModule:

@@ -17,8 +17,8 @@ from torch import nn
 
 from dpadapter.config import ModelConfig
 from dpadapter.models import MODEL_NAMES, create_model
-from dpadapter.train.per_sample import bind_optimizer, effective_mode, wrap_for_dp
-from dpadapter.train.per_sample.bookkeeping import (
+from dpadapter.per_sample import bind_optimizer, effective_mode, wrap_for_dp
+from dpadapter.per_sample.bookkeeping import (
     BookKeepingModule,
     _conv_per_example_grouped,
     _conv_per_example_im2col,
@@ -294,7 +294,7 @@ def tf32_on():
 
 def test_clipping_runs_in_full_fp32_and_restores_the_flags(tf32_on, monkeypatch):
     """Norms and clipped sums both see TF32 off; the job's flags come back after the clip."""
-    import dpadapter.train.per_sample.bookkeeping as bkmod
+    import dpadapter.per_sample.bookkeeping as bkmod
 
     seen: dict[str, tuple[str, bool]] = {}
     for name in ("_layer_norms_sq", "_layer_sums"):

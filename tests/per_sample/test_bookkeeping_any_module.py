@@ -17,8 +17,8 @@ from opacus.optimizers import DPOptimizer
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
-from dpadapter.train.per_sample import bind_optimizer, wrap_for_dp
-from dpadapter.train.per_sample.bookkeeping import BookKeepingModule, attach_bookkeeping
+from dpadapter.per_sample import bind_optimizer, wrap_for_dp
+from dpadapter.per_sample.bookkeeping import BookKeepingModule, attach_bookkeeping
 
 LOSS = F.cross_entropy
 CLASSES = 5
@@ -260,7 +260,7 @@ def test_every_registered_model_keeps_the_closed_forms():
     """The pipeline's own models never take torch.func: their bk results stay as they were."""
     from dpadapter.config import ModelConfig
     from dpadapter.models import MODEL_NAMES, create_model
-    from dpadapter.train.per_sample.bookkeeping import closed_form
+    from dpadapter.per_sample.bookkeeping import closed_form
 
     for name in sorted(MODEL_NAMES):
         channels = 3 if name.startswith("resnet") else 1

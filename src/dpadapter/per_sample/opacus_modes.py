@@ -15,7 +15,7 @@ arise from timm's LayerNorm2d (it permutes) or `memory_format=torch.channels_las
 is preferred over copying the input to row-major: a copy per conv per step would be paid
 silently, and the refusal names the conv, so the user picks `ew`/`functorch` or a row-major
 model. Sliced (non-dense) inputs are copied by `F.pad` and come out right, so they pass.
-tests/train/test_hooks_channels_last.py reproduces the error on raw Opacus.
+tests/per_sample/test_hooks_channels_last.py reproduces the error on raw Opacus.
 
 `hooks` and `functorch` put their hooks on every module with parameters, whatever is trainable
 when the model is wrapped, and a module frozen at the moment records nothing. Opacus hooks only
@@ -40,7 +40,7 @@ from torch import nn
 from dpadapter.device import full_fp32
 
 if TYPE_CHECKING:
-    from dpadapter.train.per_sample.precision import Precision
+    from dpadapter.per_sample.precision import Precision
 
 OPACUS_MODES = ("hooks", "functorch", "ew")
 

@@ -12,15 +12,15 @@ from torch import nn
 
 from dpadapter.config import ModelConfig, from_dict
 from dpadapter.models import create_model
-from dpadapter.train.dp_fit import FitSettings
-from dpadapter.train.per_sample import (
+from dpadapter.per_sample import (
     GRAD_SAMPLE_MODES,
     PerSampleCheckError,
     bind_optimizer,
     wrap_for_dp,
 )
-from dpadapter.train.per_sample import bookkeeping as bk_module
-from dpadapter.train.per_sample.self_test import EXAMPLES, TOLERANCE
+from dpadapter.per_sample import bookkeeping as bk_module
+from dpadapter.per_sample.self_test import EXAMPLES, TOLERANCE
+from dpadapter.train.dp_fit import FitSettings
 
 SAMPLE = ((1, 28, 28), torch.float32)
 

@@ -15,8 +15,8 @@ from torch import nn
 
 from dpadapter.config import load
 from dpadapter.models import create_model
-from dpadapter.train.per_sample import bind_optimizer, wrap_for_dp
-from dpadapter.train.per_sample.opacus_modes import permuted_layout
+from dpadapter.per_sample import bind_optimizer, wrap_for_dp
+from dpadapter.per_sample.opacus_modes import permuted_layout
 
 LOSS = nn.functional.cross_entropy
 

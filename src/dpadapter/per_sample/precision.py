@@ -46,7 +46,7 @@ import torch
 from torch import nn
 
 from dpadapter.device import rng_state, set_rng_state
-from dpadapter.train.per_sample.bookkeeping import BookKeepingModule
+from dpadapter.per_sample.bookkeeping import BookKeepingModule
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}

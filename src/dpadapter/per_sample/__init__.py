@@ -24,16 +24,16 @@ import torch
 from opacus.optimizers import DPOptimizer
 from torch import nn
 
-from dpadapter.train.per_sample.bookkeeping import BookKeepingModule, attach_bookkeeping
-from dpadapter.train.per_sample.clip import clip_factors
-from dpadapter.train.per_sample.independence import (
+from dpadapter.per_sample.bookkeeping import BookKeepingModule, attach_bookkeeping
+from dpadapter.per_sample.clip import clip_factors
+from dpadapter.per_sample.independence import (
     Independence,
     MixedExamplesError,
     make_independent,
 )
-from dpadapter.train.per_sample.opacus_modes import OPACUS_MODES, bind_fp32_clip, wrap_opacus
-from dpadapter.train.per_sample.precision import PRECISIONS, Precision, make_precision
-from dpadapter.train.per_sample.self_test import PerSampleCheckError, run_check
+from dpadapter.per_sample.opacus_modes import OPACUS_MODES, bind_fp32_clip, wrap_opacus
+from dpadapter.per_sample.precision import PRECISIONS, Precision, make_precision
+from dpadapter.per_sample.self_test import PerSampleCheckError, run_check
 
 GRAD_SAMPLE_MODES = (*OPACUS_MODES, "bk")
 

@@ -68,9 +68,9 @@ from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
 
 from dpadapter.device import full_fp32
-from dpadapter.train.per_sample.clip import clip_factors
-from dpadapter.train.per_sample.functional import module_grads
-from dpadapter.train.per_sample.tokens import TokenLayout, token_layout
+from dpadapter.per_sample.clip import clip_factors
+from dpadapter.per_sample.functional import module_grads
+from dpadapter.per_sample.tokens import TokenLayout, token_layout
 
 SUPPORTED_LAYERS: tuple[type[nn.Module], ...] = (nn.Linear, nn.Conv2d, nn.GroupNorm, nn.LayerNorm)
 
@@ -186,7 +186,7 @@ class BookKeepingModule(nn.Module):
         # each step costs its page faults on the CPU (measured 13 ms vs 4 ms for a 38 MB copy).
         self.workspace: dict[tuple, torch.Tensor] = {}
         self.records: dict[nn.Module, _Record | _FuncRecord] = {}
-        # fp16's loss scale of the last backward (train.per_sample.precision); 1 otherwise
+        # fp16's loss scale of the last backward (per_sample.precision); 1 otherwise
         self.grad_scale = 1.0
         self._switched_off: list[nn.Parameter] = []
         self._rows: int | None = None  # the batch size of the current forward
