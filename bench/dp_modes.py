@@ -65,7 +65,7 @@ from torch import nn
 import dpadapter  # noqa: F401  (torchvision compatibility shim before any model import)
 from dpadapter.config import ModelConfig
 from dpadapter.models import create_model
-from dpadapter.per_sample import bind_optimizer, wrap_for_dp
+from dpadapter.per_sample import dp_optimizer, wrap_for_dp
 
 # Opacus' hooks on a first layer whose input needs no gradient; harmless and the same every step.
 warnings.filterwarnings("ignore", message="Full backward hook is firing")
@@ -126,14 +126,15 @@ class Runner:
                 model, grad_sample_mode=mode, batch_first=True, loss_reduction="mean"
             )
             opt_cls = DPOptimizer
-        self.opt = opt_cls(
+        self.opt = dp_optimizer(
+            opt_cls,
+            self.model,
             torch.optim.SGD(self.model.parameters(), lr=0.0),
             noise_multiplier=0.0,  # noise costs the same in every mode; 0 keeps the check exact
             max_grad_norm=c,
             expected_batch_size=batch,
             loss_reduction="mean",
         )
-        self.opt = bind_optimizer(self.opt, self.model)
         if mode in ("ghost", "fgc"):
             self.loss_fn = DPLossFastGradientClipping(self.model, self.opt, ce, "mean")
 

@@ -17,8 +17,8 @@ from opacus.optimizers import DPOptimizer
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
-from dpadapter.per_sample import bind_optimizer, wrap_for_dp
-from dpadapter.per_sample.bookkeeping import BookKeepingModule, attach_bookkeeping
+from dpadapter.per_sample import dp_optimizer, wrap_for_dp
+from dpadapter.per_sample.bookkeeping import BookKeepingModule
 
 LOSS = F.cross_entropy
 CLASSES = 5
@@ -124,14 +124,13 @@ def _clipped(grads: torch.Tensor, c: float) -> torch.Tensor:
 def _bk_run(model, x, y, c, **kw):
     """Two physical batches through an Opacus DPOptimizer (sigma 0): norms and summed_grad."""
     bk = BookKeepingModule(model, **kw)
-    opt = attach_bookkeeping(
-        DPOptimizer(
-            torch.optim.SGD(bk.parameters(), lr=0.0),
-            noise_multiplier=0.0,
-            max_grad_norm=c,
-            expected_batch_size=len(y),
-        ),
+    opt = dp_optimizer(
+        DPOptimizer,
         bk,
+        torch.optim.SGD(bk.parameters(), lr=0.0),
+        noise_multiplier=0.0,
+        max_grad_norm=c,
+        expected_batch_size=len(y),
     )
     norms = []
     half = len(y) // 2
@@ -183,14 +182,13 @@ def test_a_dp_optimizer_step_through_wrap_and_bind_gives_the_reference_sum():
     c = float(ref.norm(dim=1).median())
     wrapped = wrap_for_dp(model, "bk")
     _eval_batchnorms(model)  # wrap leaves modes alone; dp_fit's .train() would be refused
-    opt = bind_optimizer(
-        DPOptimizer(
-            torch.optim.SGD(wrapped.parameters(), lr=0.0),
-            noise_multiplier=0.0,
-            max_grad_norm=c,
-            expected_batch_size=len(y),
-        ),
+    opt = dp_optimizer(
+        DPOptimizer,
         wrapped,
+        torch.optim.SGD(wrapped.parameters(), lr=0.0),
+        noise_multiplier=0.0,
+        max_grad_norm=c,
+        expected_batch_size=len(y),
     )
     LOSS(wrapped(x), y).backward()
     opt.pre_step()

@@ -19,7 +19,7 @@ import dpadapter.train.dp_fit as fit
 from dpadapter.config import ModelConfig
 from dpadapter.data import build_splits
 from dpadapter.models import create_model
-from dpadapter.per_sample import bind_optimizer, wrap_for_dp
+from dpadapter.per_sample import dp_optimizer, wrap_for_dp
 from dpadapter.per_sample.precision import Precision
 from dpadapter.train.dp_spec import run_spec
 
@@ -69,16 +69,18 @@ def test_a_batch_that_overflows_at_every_scale_is_computed_in_fp32_not_a_stop(mo
     sums = {}
     for name in ("fp32", "fp16"):
         gsm = wrap_for_dp(copy.deepcopy(model), mode)
-        opt = DPOptimizer(
+        prec = Precision(name)
+        if prec.scaler is not None:
+            prec.scaler.max_recomputations = 3
+        opt = dp_optimizer(
+            DPOptimizer,
+            gsm,
             torch.optim.SGD(gsm.parameters(), lr=0.0),
             noise_multiplier=0.0,
             max_grad_norm=1.0,
             expected_batch_size=4,
+            precision=prec,
         )
-        prec = Precision(name)
-        if prec.scaler is not None:
-            prec.scaler.max_recomputations = 3
-        opt = bind_optimizer(opt, gsm, prec)
         prec.gradient(gsm, x, y, F.cross_entropy)
         opt.clip_and_accumulate()
         sums[name] = torch.cat([p.summed_grad.reshape(-1) for p in opt.params])

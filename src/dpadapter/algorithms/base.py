@@ -38,6 +38,7 @@ from torch import nn
 
 from dpadapter.device import Place
 from dpadapter.param_schema import param_errors, params_object
+from dpadapter.per_sample.optimizers import dp_optimizer
 from dpadapter.per_sample.precision import Precision
 from dpadapter.privacy import PrivacyLedger, Segment, calibrate_sigma
 
@@ -216,8 +217,12 @@ class DPAlgorithm:
         return opt.noise_multiplier / math.sqrt(self.releases_per_step)
 
     # --- optimizer phase (clip + noise) ------------------------------------------------------
-    def make_optimizer(self, optimizer: torch.optim.Optimizer) -> DPOptimizer:
-        opt = self.optimizer_class(
+    def make_optimizer(self, optimizer: torch.optim.Optimizer, wrapped: nn.Module) -> DPOptimizer:
+        """The clip and noise phases: `optimizer_class`, clipping the way `wrapped` (from
+        `per_sample.wrap_for_dp`) records gradients (`per_sample.dp_optimizer`)."""
+        opt = self._new_optimizer(
+            self.optimizer_class,
+            wrapped,
             optimizer,
             noise_multiplier=self.release_noise_multiplier(self.noise_multiplier(0)),
             max_grad_norm=self.spec.max_grad_norm,
@@ -226,6 +231,12 @@ class DPAlgorithm:
             generator=self.generator,
         )
         return self._attach(opt)
+
+    def _new_optimizer(
+        self, cls: type[DPOptimizer], wrapped: nn.Module, *args: Any, **kwargs: Any
+    ) -> DPOptimizer:
+        """`cls(*args, **kwargs)` behind the clip of `wrapped`'s per-sample mode."""
+        return dp_optimizer(cls, wrapped, *args, precision=self.precision, **kwargs)
 
     def _attach(self, opt: DPOptimizer) -> DPOptimizer:
         opt.attach_step_hook(self._on_release)

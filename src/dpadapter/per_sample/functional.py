@@ -1,6 +1,7 @@
-"""Per-example gradients of one module's own parameters by torch.func, from a recorded call.
+"""Book-keeping's fallback: per-example gradients of one module's own parameters by torch.func.
 
-Book-keeping (`bookkeeping`) has closed forms for Linear, Conv2d, GroupNorm and LayerNorm only.
+Book-keeping (`bookkeeping`) has closed forms (`rules`) for Linear, Conv2d, GroupNorm and
+LayerNorm only, and a ViT's own tokens (`tokens`).
 Any other module that owns trainable parameters (a ViT's `cls_token` and `pos_embed` on its
 root module, LayerScale's `gamma`, an eval-mode BatchNorm's affine, timm's LayerNorm2d) keeps
 the arguments it was called with and the loss gradient at its output; its per-example
@@ -16,12 +17,38 @@ pipeline's convention); a module whose output is not batch-first is refused.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 from torch.func import functional_call, vjp, vmap
 from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from dpadapter.per_sample.tokens import TokenLayout
+
+
+@dataclass
+class FuncRecord:
+    """A module without a closed form: its call's arguments and output gradient (torch.func)."""
+
+    module: nn.Module
+    name: str
+    args: tuple
+    kwargs: dict[str, Any]
+    params: dict[str, nn.Parameter]
+    n: int = 0
+    g: torch.Tensor | None = None
+    strategy: str = "torch.func"
+    kept: dict[int, torch.Tensor] = field(default_factory=dict)
+    tokens: TokenLayout | None = None  # a ViT's own tokens: a closed form, no replay (tokens)
+
+
+# What the recording module gives for a replay: a context in which its hooks record nothing
+# (torch.func runs the module's forward again).
+Replay = Callable[[], contextlib.AbstractContextManager]
 
 
 def module_grads(
@@ -49,3 +76,53 @@ def module_grads(
         return back(g_i.unsqueeze(0))[0]
 
     return vmap(one, in_dims=(None, 0, 0), randomness="error")(params, tensors, g)
+
+
+def func_grads(rec: FuncRecord, wanted: set[int], replay: Replay) -> dict[int, torch.Tensor]:
+    """{id(p): (n, *p.shape)} for the wanted parameters of a module without a closed form."""
+    assert rec.g is not None
+    params = {k: p.detach() for k, p in rec.params.items() if id(p) in wanted}
+    if not params:
+        return {}
+    if rec.tokens is not None:
+        grads = rec.tokens.grads(rec.g, params)
+        return {id(rec.params[k]): v for k, v in grads.items()}
+    with replay():
+        try:
+            grads = module_grads(rec.module, params, rec.args, rec.kwargs, rec.g)
+        except RuntimeError as e:
+            if "random" not in str(e):
+                raise
+            raise RuntimeError(
+                f"grad_sample_mode 'bk': {rec.name or '<root>'} ({type(rec.module).__name__}) "
+                "draws random numbers in its forward (dropout?), which its per-example "
+                f"gradients cannot replay: {e}"
+            ) from e
+    return {id(rec.params[k]): v for k, v in grads.items()}
+
+
+def func_norms_sq(rec: FuncRecord, wanted: set[int], keep: int, replay: Replay) -> torch.Tensor:
+    """Squared per-example norms (n,); gradients up to `keep` elements are kept for the sum."""
+    rec.kept = {}
+    total = None
+    for pid, grads in func_grads(rec, wanted, replay).items():
+        if grads.numel() <= keep:
+            rec.kept[pid] = grads
+        sq = grads.reshape(grads.shape[0], -1).pow(2).sum(1)
+        total = sq if total is None else total + sq
+    assert total is not None
+    return total
+
+
+def func_sums(
+    rec: FuncRecord, weights: torch.Tensor, wanted: set[int], replay: Replay
+) -> dict[int, torch.Tensor]:
+    """Weighted sums of the wanted parameters' per-example gradients (kept or recomputed)."""
+    todo = {id(p) for p in rec.params.values() if id(p) in wanted and id(p) not in rec.kept}
+    fresh = func_grads(rec, todo, replay) if todo else {}
+    out = {}
+    for p in rec.params.values():
+        grads = rec.kept.get(id(p), fresh.get(id(p)))
+        if id(p) in wanted and grads is not None:
+            out[id(p)] = torch.tensordot(weights.to(grads.dtype), grads, dims=1)
+    return out

@@ -100,7 +100,7 @@ class LossScale:
 class Precision:
     """How the DP step computes its gradient; fp32 (the default) is the plain forward/backward.
 
-    `bind` (from `per_sample.bind_optimizer`) gives it the optimizer's parameters and the
+    `bind` (from `optimizers.dp_optimizer`) gives it the optimizer's parameters and the
     wrapped module, whose per-example gradients it checks for overflow and unscales.
     """
 

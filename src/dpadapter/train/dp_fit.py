@@ -21,7 +21,6 @@ from dpadapter.algorithms import ALGORITHMS, DPRunSpec
 from dpadapter.config import Config
 from dpadapter.models.batchnorm import freeze_batchnorm
 from dpadapter.per_sample import (
-    bind_optimizer,
     effective_mode,
     make_precision,
     wrap_for_dp,
@@ -162,7 +161,7 @@ def dp_fit(
     algo.frozen_statistics = list(gsm.independence.frozen)
     base_opt = base_optimizer(settings, gsm.parameters())
     algo.precision = make_precision(settings.precision, dev)
-    optimizer = bind_optimizer(algo.make_optimizer(base_opt), gsm, algo.precision)
+    optimizer = algo.make_optimizer(base_opt, gsm)
     if secret:
         sample_gen = randomness.secret_generator()
     else:
