@@ -1,6 +1,7 @@
 """One torch thread for a folder's tests (its conftest imports the fixture): the models are
-tiny, and a resumed run, or bk against torch.func, must match bit for bit, which holds for
-equal thread counts."""
+tiny and gain nothing from threads (on a shared machine a second thread mostly spin-waits),
+and a resumed run must match the uninterrupted one bit for bit, which holds for equal thread
+counts."""
 
 from __future__ import annotations
 

@@ -145,8 +145,7 @@ def estimate_constants(gsm, clients: list[Client], mech: MechanismRun, est_noise
         raw = client_statistics(
             gsm, c.data, mech.max_grad_norm, norm, dirs, d_public=c.size, stat_clip=stat_clip
         )
-        noisy, seg = privatize(raw, mech.name, stat_clip, c.size, est_noise, c.noise_gen)
-        c.ledger.record(seg.noise_multiplier, seg.sample_rate, seg.steps)
+        noisy = privatize(raw, mech.name, stat_clip, c.size, est_noise, c.noise_gen, c.ledger)
         per_client.append(client_constants(noisy, c.size, mech.sample_rate, dir_norms))
     return aggregate_constants(per_client, [c.size for c in clients])
 
