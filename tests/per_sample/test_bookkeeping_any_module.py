@@ -13,11 +13,11 @@ import pytest
 import timm
 import torch
 import torch.nn.functional as F
-from opacus.optimizers import DPOptimizer
+from noiseless import dp_sgd  # tests/ is on sys.path
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
-from dpadapter.per_sample import dp_optimizer, wrap_for_dp
+from dpadapter.per_sample import wrap_for_dp
 from dpadapter.per_sample.bookkeeping import BookKeepingModule
 
 LOSS = F.cross_entropy
@@ -124,14 +124,7 @@ def _clipped(grads: torch.Tensor, c: float) -> torch.Tensor:
 def _bk_run(model, x, y, c, **kw):
     """Two physical batches through an Opacus DPOptimizer (sigma 0): norms and summed_grad."""
     bk = BookKeepingModule(model, **kw)
-    opt = dp_optimizer(
-        DPOptimizer,
-        bk,
-        torch.optim.SGD(bk.parameters(), lr=0.0),
-        noise_multiplier=0.0,
-        max_grad_norm=c,
-        expected_batch_size=len(y),
-    )
+    opt = dp_sgd(bk, c, len(y))
     norms = []
     half = len(y) // 2
     for part in (slice(0, half), slice(half, None)):
@@ -182,14 +175,7 @@ def test_a_dp_optimizer_step_through_wrap_and_bind_gives_the_reference_sum():
     c = float(ref.norm(dim=1).median())
     wrapped = wrap_for_dp(model, "bk")
     _eval_batchnorms(model)  # wrap leaves modes alone; dp_fit's .train() would be refused
-    opt = dp_optimizer(
-        DPOptimizer,
-        wrapped,
-        torch.optim.SGD(wrapped.parameters(), lr=0.0),
-        noise_multiplier=0.0,
-        max_grad_norm=c,
-        expected_batch_size=len(y),
-    )
+    opt = dp_sgd(wrapped, c, len(y))
     LOSS(wrapped(x), y).backward()
     opt.pre_step()
     got = torch.cat([p.summed_grad.reshape(-1) for p in opt.params])

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from noiseless import dp_sgd  # tests/ is on sys.path
 from opacus.optimizers import DPOptimizer
 from torch import nn
 
 from dpadapter.algorithms.adpclip import CentredAdaClipOptimizer
 from dpadapter.algorithms.gep import GEPOptimizer
-from dpadapter.per_sample import dp_optimizer, optimizer_class, wrap_for_dp
+from dpadapter.per_sample import optimizer_class, wrap_for_dp
 from dpadapter.per_sample.optimizers import BookKeepingClip, FP32Clip
 from dpadapter.per_sample.rules import RULES, SUPPORTED_LAYERS, closed_form
 
@@ -35,14 +36,7 @@ def test_the_class_is_the_algorithms_behind_the_modes_clip(mode, clip, base):
 @pytest.mark.parametrize("mode", ["bk", "hooks"])
 def test_a_built_optimizer_keeps_its_class_through_a_step(mode):
     wrapped = wrap_for_dp(_model(), mode)
-    opt = dp_optimizer(
-        DPOptimizer,
-        wrapped,
-        torch.optim.SGD(wrapped.parameters(), lr=0.1),
-        noise_multiplier=0.0,
-        max_grad_norm=0.1,
-        expected_batch_size=4,
-    )
+    opt = dp_sgd(wrapped, 0.1, 4, lr=0.1)
     cls = type(opt)
     assert cls is optimizer_class(DPOptimizer, wrapped)
     assert "clip_and_accumulate" not in vars(opt)  # no method bound on the instance

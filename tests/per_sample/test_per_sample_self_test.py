@@ -6,8 +6,8 @@ import copy
 
 import pytest
 import torch
+from noiseless import dp_sgd  # tests/ is on sys.path
 from opacus.grad_sample import GradSampleModule
-from opacus.optimizers import DPOptimizer
 from torch import nn
 
 from dpadapter.config import ModelConfig, from_dict
@@ -15,7 +15,6 @@ from dpadapter.models import create_model
 from dpadapter.per_sample import (
     GRAD_SAMPLE_MODES,
     PerSampleCheckError,
-    dp_optimizer,
     rules,
     wrap_for_dp,
 )
@@ -38,14 +37,7 @@ def _state(model: nn.Module):
 
 def _step(model: nn.Module, wrapped: nn.Module) -> None:
     """One noisy DP step on fixed data (noise from the global RNG)."""
-    opt = dp_optimizer(
-        DPOptimizer,
-        wrapped,
-        torch.optim.SGD(wrapped.parameters(), lr=0.1),
-        noise_multiplier=1.0,
-        max_grad_norm=0.5,
-        expected_batch_size=4,
-    )
+    opt = dp_sgd(wrapped, 0.5, 4, lr=0.1, noise=1.0)
     torch.manual_seed(11)
     g = torch.Generator().manual_seed(5)
     x, y = torch.randn(4, 1, 28, 28, generator=g), torch.randint(0, 10, (4,), generator=g)

@@ -15,7 +15,7 @@ import functools
 
 import pytest
 import torch
-from opacus.optimizers import DPOptimizer
+from noiseless import dp_sgd  # tests/ is on sys.path
 from opacus.optimizers import optimizer as opacus_optimizer
 from torch import nn
 from torch.nn import functional as F
@@ -53,15 +53,7 @@ def clip_once(model, mode, precision, x, y, c, monkeypatch):
     """(per-example norms, clipped sum) of one physical batch, no noise."""
     gsm = wrap_for_dp(model, mode)
     prec = Precision(precision)
-    opt = dp_optimizer(
-        DPOptimizer,
-        gsm,
-        torch.optim.SGD(gsm.parameters(), lr=0.0),
-        noise_multiplier=0.0,
-        max_grad_norm=c,
-        expected_batch_size=len(y),
-        precision=prec,
-    )
+    opt = dp_sgd(gsm, c, len(y), precision=prec)
     seen = []
     real = optimizers.clip_factors
     monkeypatch.setattr(optimizers, "clip_factors", lambda n, m: seen.append(n) or real(n, m))
@@ -298,15 +290,7 @@ def test_fp16_real_overflow_lowers_the_scale_and_clips_like_fp32(monkeypatch):
     _, s32 = clip_once(copy.deepcopy(model), "hooks", "fp32", x, y, 1.0, monkeypatch)
     gsm = wrap_for_dp(copy.deepcopy(model), "hooks")
     prec = Precision("fp16")
-    opt = dp_optimizer(
-        DPOptimizer,
-        gsm,
-        torch.optim.SGD(gsm.parameters(), lr=0.0),
-        noise_multiplier=0.0,
-        max_grad_norm=1.0,
-        expected_batch_size=8,
-        precision=prec,
-    )
+    opt = dp_sgd(gsm, 1.0, 8, precision=prec)
     prec.gradient(gsm, x, y, F.cross_entropy)
     assert prec.scaler.recomputations >= 1
     assert prec.scale < 2.0**16

@@ -13,21 +13,15 @@ import warnings
 import pytest
 import timm
 import torch
-from opacus.optimizers import DPOptimizer
+from noiseless import dp_sgd  # tests/ is on sys.path
 
 from dpadapter.per_sample import functional
 from dpadapter.per_sample.bookkeeping import BookKeepingModule
-from dpadapter.per_sample.optimizers import dp_optimizer
 
 
 def _step(model: torch.nn.Module) -> BookKeepingModule:
     bk = BookKeepingModule(model)
-    opt = dp_optimizer(
-        DPOptimizer,
-        bk,
-        torch.optim.SGD(bk.parameters(), lr=0.1), noise_multiplier=0.0, max_grad_norm=1.0,
-        expected_batch_size=4,
-    )  # fmt: skip
+    opt = dp_sgd(bk, 1.0, 4, lr=0.1)
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(4, 3, 32, 32, generator=g), torch.randint(0, 3, (4,), generator=g)
     torch.nn.functional.cross_entropy(bk(x), y).backward()
