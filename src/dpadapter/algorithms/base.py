@@ -3,8 +3,9 @@
 Phases (each a method):
 - schedule  `noise_multiplier(epoch)`: accounted sigma for the coming epoch (AdpAlloc decays it);
 - calibrate `calibrate(...)`: target epsilon -> sigma (schedule-aware variants override);
-- optimizer `make_optimizer(...)`: Opacus DPOptimizer doing the clip and noise phases
-  (AdpClip swaps in Opacus' AdaClipDPOptimizer; GEP overrides clip/noise);
+- optimizer `make_optimizer(optimizer, wrapped)`: Opacus DPOptimizer doing the clip and noise
+  phases (AdpClip swaps in Opacus' AdaClipDPOptimizer; GEP overrides clip/noise), built behind
+  the clip of the wrapped module's per-sample mode (`per_sample.optimizers.optimizer_class`);
 - ascent    `before_gradient(...)`: runs before each physical batch's gradient (DP-SAT perturbs
   the weights, GEP refreshes its public anchor subspace); `after_release(...)` runs after the
   noise and before the update (DP-SAT removes the perturbation there);
