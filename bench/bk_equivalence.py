@@ -12,7 +12,7 @@ every module type the real network has.
 
 For each model and each strategy that changes what is trained (ft: every parameter, ht: the
 head, bitfit: biases and head), one float64 batch goes through the pipeline's wrap
-(`wrap_for_dp`) and DP optimizer (`bind_optimizer`, noise 0) in each mode, and `p.summed_grad`
+(`wrap_for_dp`) and DP optimizer (`dp_optimizer`, noise 0) in each mode, and `p.summed_grad`
 is compared with a reference: per-example gradients of the trained parameters by torch.func
 (vmap of grad over the whole model), each clipped by `min(1, C / (|g_i| + 1e-6))`, summed. C
 is the median per-example norm, so half the examples are clipped. A mode that Opacus cannot run
@@ -39,9 +39,9 @@ import dpadapter  # noqa: F401  (torchvision compatibility shim before any model
 from dpadapter.models import create_model
 from dpadapter.models.batchnorm import apply_batchnorm_choice, freeze_batchnorm
 from dpadapter.models.input_adapter import adapt
+from dpadapter.per_sample import dp_optimizer, wrap_for_dp
 from dpadapter.settings import ModelConfig, load
 from dpadapter.strategies import apply_phase
-from dpadapter.train.per_sample import bind_optimizer, wrap_for_dp
 
 warnings.filterwarnings("ignore", message="Full backward hook is firing")
 warnings.filterwarnings("ignore", message="Using a non-full backward hook")
@@ -170,14 +170,15 @@ def clipped_sum(model: nn.Module, mode: str, x, y, c: float) -> torch.Tensor:
     """The pipeline's clipped sum in `mode` (noise 0, lr 0: nothing moves)."""
     gsm = wrap_for_dp(model, mode)
     gsm.train()
-    opt = DPOptimizer(
+    opt = dp_optimizer(
+        DPOptimizer,
+        gsm,
         torch.optim.SGD([p for p in gsm.parameters() if p.requires_grad], lr=0.0),
         noise_multiplier=0.0,
         max_grad_norm=c,
         expected_batch_size=len(y),
         loss_reduction="mean",
     )
-    opt = bind_optimizer(opt, gsm)
     nn.functional.cross_entropy(gsm(x), y).backward()
     opt.step()
     out = torch.cat([p.summed_grad.reshape(-1) for p in opt.params])

@@ -1,6 +1,6 @@
 """Per-example conv weight gradients: the grouped kernel against im2col + bmm, per layer shape.
 
-The evidence behind `IM2COL_MAX_IN_CHANNELS` in dpadapter.train.per_sample.bookkeeping: both
+The evidence behind `IM2COL_MAX_IN_CHANNELS` in dpadapter.per_sample.conv: both
 kernels on the convolutions of the benchmarked models, in one process, median of `--repeats` calls.
 
     .venv/bin/python bench/conv_per_example.py [--threads 2] [--repeats 30]
@@ -15,10 +15,7 @@ import torch
 from dp_step import _median_step  # bench/ is on sys.path when run as a script
 from torch import nn
 
-from dpadapter.train.per_sample.bookkeeping import (
-    _conv_per_example_grouped,
-    _conv_per_example_im2col,
-)
+from dpadapter.per_sample.conv import per_example_grouped, per_example_im2col
 
 # (in, out, input side, batch, groups, where it occurs)
 SHAPES = [
@@ -46,8 +43,8 @@ def main() -> None:
         a, g = torch.randn(n, c_in, side, side), torch.randn(n, c_out, side, side)
         workspace: dict = {}
         kernels = {
-            "grouped": partial(_conv_per_example_grouped, m, a, g, m.weight),
-            "im2col": partial(_conv_per_example_im2col, m, a, g, workspace),
+            "grouped": partial(per_example_grouped, m, a, g, m.weight),
+            "im2col": partial(per_example_im2col, m, a, g, workspace),
         }
         diff = float((kernels["grouped"]() - kernels["im2col"]()).abs().max())
         ms = {k: 1000 * _median_step(f, 3, args.repeats) for k, f in kernels.items()}

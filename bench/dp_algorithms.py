@@ -50,7 +50,7 @@ def build(name: str, mode: str, public: TensorDataset):
         algo.set_public_data(public)
     model = create_model(ModelConfig("resnet20-gn", 16, 16), 10, 1, seed=0)
     gsm = wrap_model(model, grad_sample_mode=mode, batch_first=True, loss_reduction="mean")
-    algo.make_optimizer(torch.optim.SGD(gsm.parameters(), lr=0.01, momentum=0.9))
+    algo.make_optimizer(torch.optim.SGD(gsm.parameters(), lr=0.01, momentum=0.9), gsm)
     algo.start_epoch(0)
     return algo, gsm
 

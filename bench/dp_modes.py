@@ -14,7 +14,7 @@ batch 2048, the embedded CNN `cnn-gn` width 16 batch 200) and each mode:
                backward; per-sample gradients are never stored;
 - `fgc`:       the same without ghost norms (per-sample gradient norms of every layer);
 - `bk`:        the pipeline's book-keeping path (`finetune.grad_sample_mode: bk`,
-               dpadapter.train.per_sample.bookkeeping): one backward without the weights' unclipped
+               dpadapter.per_sample.bookkeeping): one backward without the weights' unclipped
                gradients, per-layer norms by ghost norm or per-example gradient (whichever is
                cheaper), the clipped sum as one weight-gradient kernel per layer.
 
@@ -64,8 +64,8 @@ from torch import nn
 
 import dpadapter  # noqa: F401  (torchvision compatibility shim before any model import)
 from dpadapter.models import create_model
+from dpadapter.per_sample import dp_optimizer, wrap_for_dp
 from dpadapter.settings import ModelConfig
-from dpadapter.train.per_sample import bind_optimizer, wrap_for_dp
 
 # Opacus' hooks on a first layer whose input needs no gradient; harmless and the same every step.
 warnings.filterwarnings("ignore", message="Full backward hook is firing")
@@ -126,14 +126,15 @@ class Runner:
                 model, grad_sample_mode=mode, batch_first=True, loss_reduction="mean"
             )
             opt_cls = DPOptimizer
-        self.opt = opt_cls(
+        self.opt = dp_optimizer(
+            opt_cls,
+            self.model,
             torch.optim.SGD(self.model.parameters(), lr=0.0),
             noise_multiplier=0.0,  # noise costs the same in every mode; 0 keeps the check exact
             max_grad_norm=c,
             expected_batch_size=batch,
             loss_reduction="mean",
         )
-        self.opt = bind_optimizer(self.opt, self.model)
         if mode in ("ghost", "fgc"):
             self.loss_fn = DPLossFastGradientClipping(self.model, self.opt, ce, "mean")
 

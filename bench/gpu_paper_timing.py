@@ -32,13 +32,13 @@ import dpadapter  # noqa: F401
 from dpadapter import device as devices
 from dpadapter.algorithms import ALGORITHMS
 from dpadapter.models import create_model
+from dpadapter.per_sample import effective_mode, wrap_for_dp
+from dpadapter.per_sample.precision import make_precision
 from dpadapter.privacy import PrivacyLedger
 from dpadapter.settings import load
 from dpadapter.train.batching import masked_cross_entropy, padded_size
 from dpadapter.train.dp_spec import run_spec
 from dpadapter.train.loops import make_sgd, standard_step
-from dpadapter.train.per_sample import bind_optimizer, effective_mode, wrap_for_dp
-from dpadapter.train.per_sample.precision import make_precision
 from dpadapter.upstream import UPSTREAMS
 
 REPO = Path(__file__).resolve().parents[1]
@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
             run.set_public_data(public)
         run.precision = make_precision(ft.precision, dev)
         base = torch.optim.SGD(gsm.parameters(), lr=ft.lr, momentum=ft.momentum)
-        run.optimizer = bind_optimizer(run.make_optimizer(base), gsm, run.precision)
+        run.optimizer = run.make_optimizer(base, gsm)
         phys = (ft.physical_batch_size or spec.expected_batch_size) // scale or 1
         pad = dev.type == "cuda"
         size = phys if pad else phys

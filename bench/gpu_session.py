@@ -61,7 +61,7 @@ PIPELINE_MODES = ("bk", "hooks", "functorch", "ew")  # the modes a config can na
 CUDA_TESTS = (
     "tests/test_device.py",
     "tests/train/test_batching.py",
-    "tests/train/test_bookkeeping.py",
+    "tests/per_sample/test_bookkeeping.py",
 )
 HIDE_MLFLOW = """import sys
 class _Hide:  # the bare GPU image has no MLflow: the dry run hides the venv's

@@ -28,7 +28,7 @@ part() {  # part NAME LOG COMMAND...: run, tee its output to LOG, remember a fai
 part nvidia-smi "$out/nvidia_smi.csv" nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
 part gpu_smoke.py "$out/gpu_smoke.log" "$py" bench/gpu_smoke.py --out "$out/gpu_smoke.json"
 part cuda-tests "$out/gpu_pytest.log" "$py" -m pytest -q -p no:xdist -p no:cacheprovider -rs \
-  tests/test_device.py tests/train/test_batching.py tests/train/test_bookkeeping.py
+  tests/test_device.py tests/train/test_batching.py tests/per_sample/test_bookkeeping.py
 if [ "${#failed[@]}" -gt 0 ]; then
   echo "gpu_smoke.sh: ${#failed[@]} part(s) FAILED: ${failed[*]} (logs in $out)"
   exit 1

@@ -23,8 +23,9 @@ import torch
 from opacus.optimizers import DPOptimizer
 
 import dpadapter  # noqa: F401  (torchvision shim)
-from dpadapter.train.per_sample import bookkeeping
-from dpadapter.train.per_sample.bookkeeping import BookKeepingModule, attach_bookkeeping
+from dpadapter.per_sample import bookkeeping
+from dpadapter.per_sample.bookkeeping import BookKeepingModule
+from dpadapter.per_sample.optimizers import dp_optimizer
 
 TOKENS = ("cls_token", "pos_embed")
 
@@ -44,12 +45,11 @@ class Variant:
         finally:
             bookkeeping.token_layout = real
         params = [p for p in self.bk.parameters() if p.requires_grad]
-        self.opt = attach_bookkeeping(
-            DPOptimizer(
-                torch.optim.SGD(params, lr=0.0), noise_multiplier=0.0, max_grad_norm=1.0,
-                expected_batch_size=batch,
-            ),
+        self.opt = dp_optimizer(
+            DPOptimizer,
             self.bk,
+            torch.optim.SGD(params, lr=0.0), noise_multiplier=0.0, max_grad_norm=1.0,
+            expected_batch_size=batch,
         )  # fmt: skip
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> None:

@@ -46,8 +46,8 @@ FILE_SECONDS = {
     "tests/bench/test_gpu_smoke.py": 7,
     "tests/privacy/test_accounting.py": 7,
     "tests/hpo/test_hpo_workflow.py": 6,
-    "tests/train/test_precision.py": 6,
-    "tests/train/test_bookkeeping.py": 5,
+    "tests/per_sample/test_precision.py": 6,
+    "tests/per_sample/test_bookkeeping.py": 5,
     "tests/compat/test_torchvision_ops.py": 5,
 }
 

@@ -79,7 +79,7 @@ def test_every_rule_file_and_stage_is_on_the_page(text):
     [
         ("| 3 | `dpadapter.algorithms` |", "| 4 | `dpadapter.algorithms` |"),  # moved
         (", `dpadapter.fingerprint` |", " |"),  # left out
-        ("| 2 | `dpadapter.train.per_sample` |", "| 2 | `dpadapter.train.per_sample`, `x.y` |"),
+        ("| 2 | `dpadapter.per_sample` |", "| 2 | `dpadapter.per_sample`, `x.y` |"),
     ],
 )
 def test_a_drifted_table_is_caught(text, old, new):

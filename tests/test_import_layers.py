@@ -6,7 +6,7 @@ a dependency), so the test needs no torch and sees what a reader sees. The layer
 0. foundation: settings (the config's sections, files and schema), device, tracking, the job
    harness, tables, plots, the rules' rerun fingerprints
 1. privacy (accounting, calibration, ledger), models, data (its checks too), strategies
-2. per-sample gradients and clipping (`train.per_sample`)
+2. per-sample gradients and clipping (`per_sample`)
 3. algorithms (one DP method per file)
 4. the DP and non-private training loops (`train`)
 5. upstream methods, federated, HPO, audit (experiments built on the loops), and the catalog
@@ -16,6 +16,9 @@ a dependency), so the test needs no torch and sees what a reader sees. The layer
 
 Each feature owns its config checks (`<feature>.checks`); no feature imports another's, and only
 the composers (`validation`, and `sections`, which scopes them to a target) read several.
+Each folder of src/dpadapter is one layer (a package registered inside another folder must
+have that folder's layer), so that following a name through the folders, as a reader does,
+never climbs back up.
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ LAYERS: dict[str, int] = {
     "dpadapter.models": 1,
     "dpadapter.data": 1,
     "dpadapter.strategies": 1,
-    "dpadapter.train.per_sample": 2,
+    "dpadapter.per_sample": 2,
     "dpadapter.algorithms": 3,
     "dpadapter.train": 4,
     "dpadapter.upstream": 5,
@@ -107,6 +110,43 @@ def layer(module: str) -> int:
     if module == "dpadapter":
         return LAYERS[module]
     raise KeyError(f"{module} is in no layer: add its package to LAYERS in {__file__}")
+
+
+def folder(module: str) -> str:
+    """The package folder a reader opens: `dpadapter.<first part>` (the root's own modules are
+    their own folders)."""
+    return ".".join(module.split(".")[:2])
+
+
+def split_folders(layers: dict[str, int] = LAYERS) -> list[str]:
+    """Registered packages whose layer is not their folder's: a folder that holds two layers
+    (as `train/per_sample/`, layer 2 inside `train/`, layer 4, once did)."""
+    return sorted(
+        f"{p} (layer {n}) inside {folder(p)} (layer {layers[folder(p)]})"
+        for p, n in layers.items()
+        if folder(p) != p and folder(p) in layers and layers[folder(p)] != n
+    )
+
+
+def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = {start}, [start]
+    while todo:
+        for t in graph.get(todo.pop(), ()):
+            if t not in seen:
+                seen.add(t)
+                todo.append(t)
+    return seen
+
+
+def folder_climbs(graph: dict[str, set[str]], start: str) -> list[str]:
+    """Every import reachable from `start` that leads into a folder of a higher layer than the
+    folder it leaves (what a reader following a name through the folders sees as a climb)."""
+    return sorted(
+        f"{m} ({folder(m)}) imports {t} ({folder(t)})"
+        for m in reachable(graph, start)
+        for t in graph.get(m, ())
+        if layer(folder(t)) > layer(folder(m))
+    )
 
 
 def upward_imports(graph: dict[str, set[str]]) -> list[str]:
@@ -191,6 +231,22 @@ def test_the_library_never_imports_a_stage_or_an_entry_point():
     assert back == []
 
 
+def test_each_folder_is_one_layer():
+    """A folder holds one layer, so a module's folder says its layer."""
+    assert split_folders() == []
+    for m in GRAPH:
+        assert layer(m) == layer(folder(m)) or m.endswith(".cli"), m
+
+
+def test_following_the_algorithm_from_finetune_never_climbs_back_up():
+    """From the fine-tuning stage through `train`, `algorithms` and `per_sample` to
+    `privacy`, every step goes down (or stays in) a layer, folder by folder."""
+    start = "dpadapter.stages.finetune"
+    passed = {folder(m) for m in reachable(GRAPH, start)}
+    assert {"dpadapter.train", "dpadapter.algorithms", "dpadapter.per_sample"} <= passed
+    assert folder_climbs(GRAPH, start) == []
+
+
 def test_privacy_imports_no_training_code():
     """privacy/ is accounting, calibration and the ledger: it may use the foundation only."""
     bad = sorted(
@@ -234,3 +290,12 @@ def test_the_checks_find_a_planted_violation(planted, check):
     for m, ts in planted.items():
         graph[m] |= ts
     assert check(graph)
+
+
+def test_the_folder_checks_find_a_planted_violation():
+    """The old layout: per_sample, layer 2, inside train/, layer 4; and a per-sample module
+    that imports the training loop from below it."""
+    assert split_folders({**LAYERS, "dpadapter.train.per_sample": 2})
+    graph = {m: set(ts) for m, ts in GRAPH.items()}
+    graph["dpadapter.per_sample.clip"] |= {"dpadapter.train.batching"}
+    assert folder_climbs(graph, "dpadapter.stages.finetune")

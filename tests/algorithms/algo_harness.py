@@ -21,9 +21,9 @@ from torch.utils.data import TensorDataset
 
 from dpadapter.algorithms import ALGORITHMS, DPAlgorithm, DPRunSpec
 from dpadapter.models import create_model
+from dpadapter.per_sample import wrap_for_dp
 from dpadapter.privacy import PrivacyLedger
 from dpadapter.settings import ModelConfig
-from dpadapter.train.per_sample import bind_optimizer, wrap_for_dp
 
 # The per-sample mode `build` wraps in when none is given (test_privacy_suite sets it per test).
 MODE = "hooks"
@@ -109,7 +109,7 @@ def build(
     model = (tiny_model() if model is None else model).to(dtype)
     gsm = wrap_for_dp(model, mode or MODE, cls.needs_per_sample_gradients)
     base_opt = torch.optim.SGD(gsm.parameters(), lr=lr, momentum=momentum)
-    opt = bind_optimizer(a.make_optimizer(base_opt), gsm)
+    opt = a.make_optimizer(base_opt, gsm)
     if audit:
         a.audit = []
     a.start_epoch(0)

@@ -1,4 +1,5 @@
-"""Data for the algorithm tests: the tiny config's private task and public set."""
+"""Data for the algorithm tests: the tiny config's private task and public set; one torch
+thread (`torch_threads`)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from dataclasses import dataclass
 
 import pytest
 from torch.utils.data import TensorDataset
+from torch_threads import _one_torch_thread  # noqa: F401  (tests/ is on sys.path)
 
 
 @dataclass(frozen=True)
@@ -30,14 +32,3 @@ def _shared_calibration_cache(tmp_path_factory):
     algo_harness.CALIBRATION_CACHE = str(tmp_path_factory.mktemp("calib") / "sigma.json")
     yield
     algo_harness.CALIBRATION_CACHE = None
-
-
-@pytest.fixture(autouse=True)
-def _one_torch_thread():
-    """Tiny models gain nothing from threads, and on a shared machine threads spin-wait."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)

@@ -16,7 +16,7 @@ import torch
 from privacy_checks import _double, _xy
 
 from dpadapter.algorithms import ALGORITHMS
-from dpadapter.train.per_sample.bookkeeping import BookKeepingModule
+from dpadapter.per_sample.bookkeeping import BookKeepingModule
 
 NAMES = sorted(ALGORITHMS)
 
@@ -67,7 +67,7 @@ def test_bk_makes_the_releases_of_opacus_hooks(name, algo_data, phases):
 
 def test_the_check_fails_when_bk_clips_differently(algo_data, monkeypatch):
     """The comparison above can fail: a bk norm off by 1 % changes the clipped signal."""
-    from dpadapter.train.per_sample import bookkeeping
+    from dpadapter.per_sample import bookkeeping
 
     original = bookkeeping.BookKeepingModule.per_sample_norms
     monkeypatch.setattr(

@@ -41,7 +41,8 @@ def test_needs_public_data_before_the_optimizer():
     with H.fixed_sigma(cls, 1.0):
         algo = cls(H.spec(), PrivacyLedger(1e-5), torch.Generator())
     with pytest.raises(RuntimeError, match="set_public_data"):
-        algo.make_optimizer(torch.optim.SGD(H.tiny_model().parameters(), lr=0.1))
+        model = H.tiny_model()
+        algo.make_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), model)
 
 
 def test_embedding_and_residual_are_clipped_and_noised_separately(algo_data):

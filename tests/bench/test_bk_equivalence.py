@@ -36,10 +36,10 @@ def test_bk_gives_ews_clipped_sum_on_the_embedded_cnn(eq, cases, phase):
 
 
 def test_a_wrong_clip_factor_fails_the_check(eq, cases, monkeypatch):
-    from dpadapter.train.per_sample import bookkeeping
+    from dpadapter.per_sample import optimizers
 
-    real = bookkeeping.clip_factors
-    monkeypatch.setattr(bookkeeping, "clip_factors", lambda n, c: real(n, c * 1.01))
+    real = optimizers.clip_factors
+    monkeypatch.setattr(optimizers, "clip_factors", lambda n, c: real(n, c * 1.01))
     case = next(c for c in cases if c.label.startswith("cnn-gn"))
     row = eq.check_case(case, "ft", batch=4)
     assert row["bk"]["rel"] > 1e-4 and not eq.passed(row, 1e-9)

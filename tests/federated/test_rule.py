@@ -8,6 +8,7 @@ from fed_helpers import make_data, make_gsm
 from torch.utils.data import TensorDataset
 
 from dpadapter.federated.estimate import (
+    STAT_NAMES,
     RuleConstants,
     aggregate_constants,
     aggregated_noise_var,
@@ -21,6 +22,8 @@ from dpadapter.federated.estimate import (
     theorem2_constants,
     theorem3_constants,
 )
+from dpadapter.federated.mechanisms import make_ledger
+from dpadapter.privacy import randomness
 from dpadapter.strategies import apply_phase
 
 C = RuleConstants(G1_sq=0.4, G2_sq=0.6, Lambda1_sq=0.05, Lambda2_sq=0.08, L=3.0, Gamma=0.2)
@@ -87,17 +90,42 @@ def test_released_statistics_respect_their_sensitivities(mechanism, norm, stat_c
         assert abs(va[3] - vb[3]) == pytest.approx(sens[3], rel=1e-3)
 
 
-def test_privatized_release_and_aggregation():
+def test_privatized_release_is_recorded_with_the_noise_it_adds():
+    """The Gaussian release adds sigma_e sqrt(m) * sensitivity times the generator's own
+    standard normals and records one q = 1 release; the Laplace one records m releases that
+    compose to eps_e."""
     raw = {"a_head": 0.3, "s_head": 0.5, "a_full": 0.4, "s_full": 0.7, "ell": [0.2, 0.1]}
-    g = torch.Generator().manual_seed(0)
-    noisy, seg = privatize(raw, "gaussian", 1.0, 200, 5.0, g)
-    assert (seg.noise_multiplier, seg.sample_rate, seg.steps) == (5.0, 1.0, 1)
-    noisy_l, seg_l = privatize(raw, "laplace", 1.0, 200, 0.5, g)
-    assert seg_l.steps == 6 and seg_l.steps / seg_l.noise_multiplier == pytest.approx(0.5)
+    values = [0.3, 0.5, 0.4, 0.7, 0.2, 0.1]
+    sens = sensitivities("gaussian", 1.0, 200, 2)
+    ledger = make_ledger("gaussian", 1e-5, "prv")
+    noisy = privatize(raw, "gaussian", 1.0, 200, 5.0, torch.Generator().manual_seed(0), ledger)
+    z = randomness.standard_normal(6, torch.Generator().manual_seed(0), torch.float64)
+    got = [noisy[k] for k in STAT_NAMES] + noisy["ell"]
+    want = [
+        v + float(zi) * 5.0 * math.sqrt(6) * s for v, zi, s in zip(values, z, sens, strict=True)
+    ]
+    assert got == want
+    assert [(s.noise_multiplier, s.sample_rate, s.steps) for s in ledger.history] == [(5.0, 1, 1)]
+    pure = make_ledger("laplace", 0.0, "prv")
+    noisy_l = privatize(raw, "laplace", 1.0, 200, 0.5, torch.Generator().manual_seed(0), pure)
+    assert [s.steps for s in pure.history] == [6] and pure.epsilon() == pytest.approx(0.5)
+    assert noisy_l["ell"] != raw["ell"]
+    with pytest.raises(KeyError):
+        privatize(raw, "exponential", 1.0, 200, 0.5, torch.Generator(), pure)
+    assert pure.steps == 6  # nothing recorded for a refused release
+
+
+def test_negative_noisy_statistics_are_clamped_and_aggregated():
+    """Noise can push a released second moment or smoothness below 0: each is clamped to 0
+    before it enters a constant (a negative Lambda^2 or L would flip the rule's decision)."""
+    noisy = {"a_head": 0.3, "s_head": -0.5, "a_full": -0.4, "s_full": 0.7, "ell": [-0.2, 0.1]}
     c = client_constants(noisy, 200, 0.2, [0.5, 0.5])
-    assert min(c.G1_sq, c.G2_sq, c.Lambda1_sq, c.Lambda2_sq, c.L, c.Gamma) >= 0
-    assert c.Lambda2_sq == pytest.approx(0.8 / (0.2 * 200) * max(0.0, noisy["s_full"]))
-    full = client_constants(noisy_l, 200, 1.0, [0.5, 0.5])
+    var = 0.8 / (0.2 * 200)
+    assert c == RuleConstants(
+        G1_sq=0.3, G2_sq=var * 0.7, Lambda1_sq=0.0, Lambda2_sq=var * 0.7, L=0.1, Gamma=0.0
+    )
+    full = client_constants(noisy, 200, 1.0, [0.5, 0.5])
     assert full.Lambda1_sq == full.Lambda2_sq == 0.0  # full batch: no sampling variance
     agg = aggregate_constants([c, full], [100, 300])
     assert agg.L == pytest.approx(0.25 * c.L + 0.75 * full.L)
+    assert agg.Lambda2_sq == pytest.approx(0.25 * c.Lambda2_sq)

@@ -136,7 +136,7 @@ def test_features_are_the_classifier_inputs_at_unit_norm():
 
 def test_features_refuse_a_model_that_mixes_examples_in_eval_mode():
     """Extraction runs in batches: a per-batch statistic would leak across examples."""
-    from dpadapter.train.per_sample import MixedExamplesError
+    from dpadapter.per_sample import MixedExamplesError
 
     class Centre(torch.nn.Module):
         def forward(self, x):

@@ -8,8 +8,8 @@ import torch
 from opacus.validators import ModuleValidator
 
 from dpadapter.models import create_model, get_head_params, replace_head
+from dpadapter.per_sample import wrap_for_dp
 from dpadapter.settings import ModelConfig
-from dpadapter.train.per_sample import wrap_for_dp
 
 
 def _counts(model):

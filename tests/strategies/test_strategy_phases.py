@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from dpadapter.models import create_model, get_head_params
+from dpadapter.per_sample import GRAD_SAMPLE_MODES
 from dpadapter.settings import ModelConfig
 from dpadapter.strategies import (
     BITFIT,
@@ -21,7 +22,6 @@ from dpadapter.strategies import (
     released_dims,
     trainable_params,
 )
-from dpadapter.train.per_sample import GRAD_SAMPLE_MODES
 
 
 def _model():

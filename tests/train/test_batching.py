@@ -7,13 +7,14 @@ import dataclasses
 
 import pytest
 import torch
-from opacus.optimizers import DPOptimizer
+from noiseless import dp_sgd  # tests/ is on sys.path
 from torch.utils.data import DataLoader, TensorDataset
 
 from dpadapter.algorithms import ALGORITHMS
 from dpadapter.data import build_splits, public_train
 from dpadapter.device import full_fp32
 from dpadapter.models import create_model, replace_head
+from dpadapter.per_sample import wrap_for_dp
 from dpadapter.settings import ModelConfig
 from dpadapter.train.batching import (
     PAD_LABEL,
@@ -24,7 +25,6 @@ from dpadapter.train.batching import (
 )
 from dpadapter.train.dp_fit import FitSettings, dp_fit
 from dpadapter.train.dp_spec import run_spec
-from dpadapter.train.per_sample import bind_optimizer, wrap_for_dp
 
 
 @pytest.fixture
@@ -47,15 +47,9 @@ def test_padded_batch_gives_the_same_clipped_sum(mode):
     sums = []
     for pad in (0, 9):
         wrapped = wrap_for_dp(_model(), mode)  # bk: the hand-written book-keeping clipping
-        opt = bind_optimizer(
-            DPOptimizer(
-                torch.optim.SGD(wrapped.parameters(), lr=0.1),
-                noise_multiplier=0.0,
-                max_grad_norm=0.05,  # small: every example is clipped, so scaling errors show
-                expected_batch_size=7,
-            ),
-            wrapped,
-        )
+        opt = dp_sgd(
+            wrapped, 0.05, 7, lr=0.1
+        )  # small: every example is clipped, so scaling errors show
         xp = torch.cat([x, torch.zeros(pad, 1, 16, 16)])
         yp = torch.cat([y, torch.full((pad,), PAD_LABEL)])
         masked_cross_entropy(wrapped(xp), yp).backward()

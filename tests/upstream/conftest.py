@@ -3,13 +3,4 @@ second thread mostly spins waiting for the first (4x the CPU time, measured)."""
 
 from __future__ import annotations
 
-import pytest
-import torch
-
-
-@pytest.fixture(autouse=True)
-def _one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+from torch_threads import _one_torch_thread  # noqa: F401  (tests/ is on sys.path)

@@ -26,11 +26,12 @@ from typing import Any, ClassVar
 
 import torch
 from opacus.optimizers import AdaClipDPOptimizer, DPOptimizer
+from torch import nn
 
 from dpadapter.algorithms.base import DPAlgorithm, Release, register_algorithm
 from dpadapter.device import Place
 from dpadapter.param_schema import FRACTION, NON_NEGATIVE, POSITIVE, nullable, params_object
-from dpadapter.train.per_sample.clip import clip_factors
+from dpadapter.per_sample.clip import clip_factors
 
 
 def gradient_noise_multiplier(sigma: float, count_noise: float) -> float:
@@ -162,10 +163,12 @@ class AdpClip(DPAlgorithm):
                 f"({2 * self.count_noise:.4g}); raise algo_params.adpclip.count_noise"
             )
 
-    def make_optimizer(self, optimizer: torch.optim.Optimizer) -> DPOptimizer:
+    def make_optimizer(self, optimizer: torch.optim.Optimizer, wrapped: nn.Module) -> DPOptimizer:
         sigma = self.noise_multiplier(0)
         self._check(sigma)
-        opt = self.optimizer_class(
+        opt = self._new_optimizer(
+            self.optimizer_class,
+            wrapped,
             optimizer,
             noise_multiplier=sigma,
             target_unclipped_quantile=float(self.params["target_quantile"]),

@@ -3,14 +3,15 @@
 Phases (each a method):
 - schedule  `noise_multiplier(epoch)`: accounted sigma for the coming epoch (AdpAlloc decays it);
 - calibrate `calibrate(...)`: target epsilon -> sigma (schedule-aware variants override);
-- optimizer `make_optimizer(...)`: Opacus DPOptimizer doing the clip and noise phases
-  (AdpClip swaps in Opacus' AdaClipDPOptimizer; GEP overrides clip/noise);
+- optimizer `make_optimizer(optimizer, wrapped)`: Opacus DPOptimizer doing the clip and noise
+  phases (AdpClip swaps in Opacus' AdaClipDPOptimizer; GEP overrides clip/noise), built behind
+  the clip of the wrapped module's per-sample mode (`per_sample.optimizers.optimizer_class`);
 - ascent    `before_gradient(...)`: runs before each physical batch's gradient (DP-SAT perturbs
   the weights, GEP refreshes its public anchor subspace); `after_release(...)` runs after the
   noise and before the update (DP-SAT removes the perturbation there);
 - step      `train_step(...)`: forward/backward/step (DP-SAM, with two releases, overrides it);
   every forward/backward of the training loss goes through `_gradient`, the run's precision
-  (`train.per_sample.precision`: autocast, fp16's loss scale and its recomputation).
+  (`per_sample.precision`: autocast, fp16's loss scale and its recomputation).
 Every release goes through `_on_release` (Opacus' step hook, called only for real, non-skipped
 steps) into the run's PrivacyLedger, so the accountant sees exactly the steps taken.
 
@@ -38,8 +39,9 @@ from torch import nn
 
 from dpadapter.device import Place
 from dpadapter.param_schema import param_errors, params_object
+from dpadapter.per_sample.optimizers import dp_optimizer
+from dpadapter.per_sample.precision import Precision
 from dpadapter.privacy import PrivacyLedger, Segment, calibrate_sigma
-from dpadapter.train.per_sample.precision import Precision
 
 ALGORITHMS: dict[str, type[DPAlgorithm]] = {}
 
@@ -122,7 +124,7 @@ class DPAlgorithm:
     # Whether `set_public_data` must be called before `make_optimizer` (GEP's anchors).
     needs_public_data: ClassVar[bool] = False
     # Whether the algorithm reads per-example gradients itself (not only Opacus' clipped sum):
-    # `grad_sample_mode: bk` then runs Opacus' hooks (dpadapter.train.per_sample).
+    # `grad_sample_mode: bk` then runs Opacus' hooks (dpadapter.per_sample).
     needs_per_sample_gradients: ClassVar[bool] = False
     # The Opacus optimizer class of the clip and noise phases (a subclass overrides one of them).
     optimizer_class: ClassVar[type[DPOptimizer]] = DPOptimizer
@@ -152,7 +154,7 @@ class DPAlgorithm:
         # Set by the loop (`finetune.precision`); fp32 is the plain forward and backward.
         self.precision = Precision()
         self.per_sample_check: dict | None = None  # the wrap-time self-test's record
-        # modules whose statistics DP training froze (train.per_sample.independence)
+        # modules whose statistics DP training froze (per_sample.independence)
         self.frozen_statistics: list[str] = []
 
     @classmethod
@@ -216,8 +218,12 @@ class DPAlgorithm:
         return opt.noise_multiplier / math.sqrt(self.releases_per_step)
 
     # --- optimizer phase (clip + noise) ------------------------------------------------------
-    def make_optimizer(self, optimizer: torch.optim.Optimizer) -> DPOptimizer:
-        opt = self.optimizer_class(
+    def make_optimizer(self, optimizer: torch.optim.Optimizer, wrapped: nn.Module) -> DPOptimizer:
+        """The clip and noise phases: `optimizer_class`, clipping the way `wrapped` (from
+        `per_sample.wrap_for_dp`) records gradients (`per_sample.dp_optimizer`)."""
+        opt = self._new_optimizer(
+            self.optimizer_class,
+            wrapped,
             optimizer,
             noise_multiplier=self.release_noise_multiplier(self.noise_multiplier(0)),
             max_grad_norm=self.spec.max_grad_norm,
@@ -226,6 +232,12 @@ class DPAlgorithm:
             generator=self.generator,
         )
         return self._attach(opt)
+
+    def _new_optimizer(
+        self, cls: type[DPOptimizer], wrapped: nn.Module, *args: Any, **kwargs: Any
+    ) -> DPOptimizer:
+        """`cls(*args, **kwargs)` behind the clip of `wrapped`'s per-sample mode."""
+        return dp_optimizer(cls, wrapped, *args, precision=self.precision, **kwargs)
 
     def _attach(self, opt: DPOptimizer) -> DPOptimizer:
         opt.attach_step_hook(self._on_release)

@@ -35,8 +35,8 @@ from dpadapter.param_schema import (
     nullable,
     params_object,
 )
+from dpadapter.per_sample.clip import clip_factors
 from dpadapter.privacy.randomness import gaussian_noise
-from dpadapter.train.per_sample.clip import clip_factors
 
 
 def split_groups(sizes: list[int], num_groups: int) -> list[list[int]]:
@@ -302,13 +302,15 @@ class GEP(DPAlgorithm):
             raise ValueError("gep: the public dataset is empty")
         self._public = (x, y)
 
-    def make_optimizer(self, optimizer: torch.optim.Optimizer) -> DPOptimizer:
+    def make_optimizer(self, optimizer: torch.optim.Optimizer, wrapped: nn.Module) -> DPOptimizer:
         if self._public is None:
             raise RuntimeError(
                 "gep needs public data: call algo.set_public_data(public.train) before "
                 "make_optimizer (see dpadapter.algorithms.gep)"
             )
-        opt = GEPOptimizer(
+        opt = self._new_optimizer(
+            GEPOptimizer,
+            wrapped,
             optimizer,
             noise_multiplier=self.release_noise_multiplier(self.noise_multiplier(0)),
             embedding_clip=self.embedding_clip,

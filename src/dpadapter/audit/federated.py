@@ -33,10 +33,10 @@ from dpadapter.federated.mechanisms import GAUSSIAN, LAPLACE
 from dpadapter.federated.partition import dirichlet_partition
 from dpadapter.federated.simulation import Client, Federation
 from dpadapter.federated.stage import mechanism_run, plan_noise
+from dpadapter.per_sample import wrap_for_dp
 from dpadapter.privacy import randomness
 from dpadapter.settings import Config
 from dpadapter.strategies import get_strategy
-from dpadapter.train.per_sample import wrap_for_dp
 
 
 class FixedSizeClient(Client):

@@ -13,7 +13,8 @@ no-op on the real data that keeps the sensitivity bounded for neighbouring datas
 size; u_k are public random directions of norm `radius * ||theta_0||`). Every clipped vector
 has l2 norm at most C, so with kappa = 1 (add/remove, Gaussian) or 2
 (replace-one, Laplace) the sensitivities are 2 kappa C^2 / d_i (a), C^2 / d_i (s) and
-2 kappa C / d_i (l). The client releases the 4 + K scalars once:
+2 kappa C / d_i (l). The client releases the 4 + K scalars once
+(`mechanisms.release_scalars`, which records the release in the client's ledger):
 - Gaussian: each scalar, divided by its sensitivity, gets N(0, (sigma_e sqrt(4 + K))^2), i.e. a
   Gaussian mechanism with joint noise multiplier sigma_e on a vector of l2 sensitivity sqrt(4+K);
   recorded in the client's ledger as one release (q = 1) and composed with training;
@@ -49,11 +50,16 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from dpadapter.federated.mechanisms import GAUSSIAN, LAPLACE, SENSITIVITY_FACTOR, laplace_noise
+from dpadapter.federated.mechanisms import (
+    GAUSSIAN,
+    SENSITIVITY_FACTOR,
+    PureDPLedger,
+    release_scalars,
+)
 from dpadapter.models import get_head_params
-from dpadapter.privacy import Segment, randomness
+from dpadapter.per_sample.clip import clip_factors, per_example_norms
+from dpadapter.privacy import PrivacyLedger
 from dpadapter.strategies import FT, HT, apply_phase
-from dpadapter.train.per_sample.clip import clip_factors
 
 if TYPE_CHECKING:
     from dpadapter.federated.simulation import MechanismRun
@@ -109,8 +115,9 @@ def random_directions(params: list[nn.Parameter], k: int, radius: float, seed: i
 def _clipped_sums(gsm, x, y, clip: float, norm: str, chunk: int, with_head: bool, stat_clip: float):
     """Sums over the examples of clipped per-example gradients (full and head-only) and of
     their squared l2 norms. Per-example gradients come from Opacus' GradSampleModule; each is
-    clipped as in training (`norm` ball of radius `clip`), then to `norm` <= `stat_clip` (the
-    same unit: l2 for Gaussian, l1 for Laplace)."""
+    clipped as in training (`norm` ball of radius `clip`, the norms and factors of
+    `per_sample.clip`, as the clients' optimizers take them), then to `norm` <= `stat_clip`
+    (the same unit: l2 for Gaussian, l1 for Laplace)."""
     params = [p for p in gsm.parameters() if p.requires_grad]
     head_ids = {id(p) for p in get_head_params(gsm._module)}
     sum_full = [torch.zeros_like(p) for p in params]
@@ -128,10 +135,7 @@ def _clipped_sums(gsm, x, y, clip: float, norm: str, chunk: int, with_head: bool
         for part, idx in parts.items():
             if part == "head" and not with_head:
                 continue
-            if norm == "l2":
-                nrm = torch.stack([gs[j].pow(2).sum(1) for j in idx], 1).sum(1).sqrt()
-            else:
-                nrm = torch.stack([gs[j].abs().sum(1) for j in idx], 1).sum(1)
+            nrm = per_example_norms([gs[j] for j in idx], norm)
             f = clip_factors(nrm, clip)
             l2sq = torch.stack([gs[j].pow(2).sum(1) for j in idx], 1).sum(1)
             # The statistics' bound is in the training clipping's own unit (l1 for Laplace):
@@ -231,33 +235,20 @@ def privatize(
     d_i: int,
     noise: float,
     generator: torch.Generator,
-) -> tuple[dict, Segment]:
-    """Noisy statistics and the ledger segment of their one release.
+    ledger: PrivacyLedger | PureDPLedger,
+) -> dict:
+    """Noisy statistics, released once by the client's mechanism (`mechanisms.release_scalars`)
+    and recorded in its `ledger`.
 
     `noise` is the joint Gaussian noise multiplier sigma_e (Gaussian) or the pure-DP epsilon
     eps_e of the whole release (Laplace).
     """
     values = [raw[k] for k in STAT_NAMES] + list(raw["ell"])
     sens = sensitivities(mechanism, clip, d_i, len(raw["ell"]))
-    m = len(values)
-    # float64 noise drawn where the client's generator lives (CPU, or the GPU of the run)
-    ref = torch.zeros(m, dtype=torch.float64, device=generator.device)
-    if mechanism == GAUSSIAN:
-        z = randomness.standard_normal(m, generator, torch.float64)
-        noisy = [
-            v + float(zi) * noise * math.sqrt(m) * s
-            for v, zi, s in zip(values, z, sens, strict=True)
-        ]
-        segment = Segment(float(noise), 1.0, 1)
-    elif mechanism == LAPLACE:
-        z = laplace_noise((m,), 1.0, generator, ref)
-        noisy = [v + float(zi) * s * m / noise for v, zi, s in zip(values, z, sens, strict=True)]
-        segment = Segment(m / float(noise), 1.0, m)  # m releases, each (eps_e / m, 0)-DP
-    else:
-        raise KeyError(mechanism)
+    noisy = release_scalars(values, sens, mechanism, noise, generator, ledger)
     out = dict(zip(STAT_NAMES, noisy[:4], strict=True))
     out["ell"] = noisy[4:]
-    return out, segment
+    return out
 
 
 def client_constants(noisy: dict, d_i: int, sample_rate: float, direction_norms: list[float]):

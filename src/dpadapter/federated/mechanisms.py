@@ -31,6 +31,7 @@ import torch
 from opacus.optimizers import DPOptimizer
 from opacus.optimizers.optimizer import _check_processed_flag, _mark_as_processed
 
+from dpadapter.per_sample.clip import clip_factors, per_example_norms
 from dpadapter.privacy import (
     PrivacyLedger,
     Search,
@@ -43,7 +44,6 @@ from dpadapter.privacy import (
 from dpadapter.privacy.accounting import EPS_ERROR, accountant_version
 from dpadapter.privacy.calibration import KEY_VERSION
 from dpadapter.privacy.memo import cached
-from dpadapter.train.per_sample.clip import clip_factors
 
 GAUSSIAN, LAPLACE = "gaussian", "laplace"
 MECHANISMS = (GAUSSIAN, LAPLACE)
@@ -76,8 +76,7 @@ class LaplaceDPOptimizer(DPOptimizer):
         if len(grad_samples[0]) == 0:
             factor = torch.zeros((0,), device=grad_samples[0].device)
         else:
-            l1 = torch.stack([g.reshape(len(g), -1).abs().sum(dim=1) for g in grad_samples], dim=1)
-            factor = clip_factors(l1.sum(dim=1), self.max_grad_norm)
+            factor = clip_factors(per_example_norms(grad_samples, "l1"), self.max_grad_norm)
         for p in self.params:
             _check_processed_flag(p.grad_sample)
             gs = self._get_flat_grad_sample(p).to(p.dtype)
@@ -92,6 +91,48 @@ class LaplaceDPOptimizer(DPOptimizer):
             noise = laplace_noise(p.summed_grad.shape, scale, self.generator, p.summed_grad)
             p.grad = (p.summed_grad + noise).view_as(p)
             _mark_as_processed(p.summed_grad)
+
+
+def release_scalars(
+    values: list[float],
+    sensitivities: list[float],
+    mechanism: str,
+    noise: float,
+    generator: torch.Generator,
+    ledger: PrivacyLedger | PureDPLedger,
+) -> list[float]:
+    """One DP release of m scalars, each with its own sensitivity, by the client's mechanism;
+    recorded in the client's `ledger` (the one `make_ledger` gives for `mechanism`).
+
+    - Gaussian: each scalar, divided by its sensitivity, gets N(0, (noise sqrt(m))^2): a
+      Gaussian mechanism with joint noise multiplier `noise` on a vector of l2 sensitivity
+      sqrt(m); one release, q = 1, composed with training by the accountant.
+    - Laplace: each scalar gets Lap(sensitivity * m / noise): m releases, each
+      (noise / m, 0)-DP, so (noise, 0)-DP in all by basic composition.
+
+    Noise in float64 from `privacy.randomness` (the OS's source for a secret generator), drawn
+    where the generator lives.
+    """
+    m = len(values)
+    if len(sensitivities) != m:
+        raise ValueError(f"{m} values, {len(sensitivities)} sensitivities")
+    if mechanism == GAUSSIAN:
+        z = randomness.standard_normal(m, generator, torch.float64)
+        noisy = [
+            v + float(zi) * noise * math.sqrt(m) * s
+            for v, zi, s in zip(values, z, sensitivities, strict=True)
+        ]
+        ledger.record(float(noise), 1.0, 1)
+    elif mechanism == LAPLACE:
+        ref = torch.zeros(m, dtype=torch.float64, device=generator.device)
+        z = laplace_noise((m,), 1.0, generator, ref)
+        noisy = [
+            v + float(zi) * s * m / noise for v, zi, s in zip(values, z, sensitivities, strict=True)
+        ]
+        ledger.record(m / float(noise), 1.0, m)
+    else:
+        raise KeyError(f"unknown mechanism {mechanism!r}; known: {MECHANISMS}")
+    return noisy
 
 
 def theorem1_scale(releases: int, xi1: float, d_i: int, epsilon: float) -> float:

@@ -39,13 +39,13 @@ from dpadapter.federated.simulation import Client, Federation, MechanismRun
 from dpadapter.job import seed_everything, training_job
 from dpadapter.models import replace_head
 from dpadapter.models.batchnorm import freeze_batchnorm
+from dpadapter.per_sample import effective_mode, wrap_for_dp
 from dpadapter.privacy import Segment, verify_plan
 from dpadapter.settings import Config
 from dpadapter.strategies import FT, PHASES, apply_phase, get_strategy, released_dims
 from dpadapter.train.batching import wants_padding
 from dpadapter.train.checkpoint import load_model
 from dpadapter.train.loops import evaluate
-from dpadapter.train.per_sample import effective_mode, wrap_for_dp
 from dpadapter.train.progress import ProgressLine
 
 STRATEGY_NAMES = ("scratch", "ht", "ft", "ut", "bitfit")
@@ -145,8 +145,7 @@ def estimate_constants(gsm, clients: list[Client], mech: MechanismRun, est_noise
         raw = client_statistics(
             gsm, c.data, mech.max_grad_norm, norm, dirs, d_public=c.size, stat_clip=stat_clip
         )
-        noisy, seg = privatize(raw, mech.name, stat_clip, c.size, est_noise, c.noise_gen)
-        c.ledger.record(seg.noise_multiplier, seg.sample_rate, seg.steps)
+        noisy = privatize(raw, mech.name, stat_clip, c.size, est_noise, c.noise_gen, c.ledger)
         per_client.append(client_constants(noisy, c.size, mech.sample_rate, dir_norms))
     return aggregate_constants(per_client, [c.size for c in clients])
 

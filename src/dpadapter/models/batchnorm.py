@@ -164,7 +164,7 @@ def freeze_batchnorm(model: nn.Module, affine: str = "train") -> list[str]:
 
     A model without BatchNorm is left untouched (so is its parameter order and every number).
     A BatchNorm without running statistics has nothing to freeze: it is left for the DP
-    wrapper's independence check (`train.per_sample.independence`), which refuses it by name.
+    wrapper's independence check (`per_sample.independence`), which refuses it by name.
     """
     if affine not in BN_AFFINE_CHOICES:
         raise ValueError(f"bn_affine: {affine!r}; one of {BN_AFFINE_CHOICES}")

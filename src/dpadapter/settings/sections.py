@@ -172,11 +172,11 @@ class FinetuneConfig:
     optimizer: str = "sgd"  # sgd (with momentum) or adam: what the DP optimizer wraps
     max_grad_norm: float = 1.0
     # bk (book-keeping clipping); an algorithm or stage that reads per-example gradients
-    # itself (GEP, the federated clients) runs Opacus' hooks under bk (train.per_sample)
+    # itself (GEP, the federated clients) runs Opacus' hooks under bk (per_sample)
     grad_sample_mode: str = "bk"
-    # autocast of the DP step (train.per_sample.precision): fp32 (none), bf16, fp16 (loss scale)
+    # autocast of the DP step (per_sample.precision): fp32 (none), bf16, fp16 (loss scale)
     precision: str = "fp32"
-    # the per-sample self-test at wrap time (dpadapter.train.per_sample.self_test)
+    # the per-sample self-test at wrap time (dpadapter.per_sample.self_test)
     per_sample_check: bool = True
     physical_batch_size: int | None = None
     # pad physical batches (and federated clients' samples) to one shape: auto = on CUDA only

@@ -129,7 +129,7 @@ def run(
                 "clipping_plan": algo.clipping_plan or None,
                 # the per-sample mode's norms against torch.func's before training (None: off)
                 "per_sample_check": algo.per_sample_check,
-                # modules run with frozen (public) statistics (train.per_sample.independence)
+                # modules run with frozen (public) statistics (per_sample.independence)
                 "frozen_statistics": algo.frozen_statistics,
                 "privacy": {
                     **privacy_record(spec, ledger, eps, epsilon),

@@ -19,18 +19,17 @@ from torch.utils.data import Dataset, TensorDataset
 from dpadapter import device as devices
 from dpadapter.algorithms import ALGORITHMS, DPRunSpec
 from dpadapter.models.batchnorm import freeze_batchnorm
+from dpadapter.per_sample import (
+    effective_mode,
+    make_precision,
+    wrap_for_dp,
+)
 from dpadapter.privacy import PrivacyLedger, randomness, verify_plan
 from dpadapter.settings import Config
 from dpadapter.strategies import Schedule, apply_phase
 from dpadapter.train.batching import PAD_LABEL, dp_batches, masked_cross_entropy
 from dpadapter.train.dp_spec import padding
 from dpadapter.train.loops import evaluate, progress
-from dpadapter.train.per_sample import (
-    bind_optimizer,
-    effective_mode,
-    make_precision,
-    wrap_for_dp,
-)
 from dpadapter.train.progress import ProgressLine
 from dpadapter.train.resume import ResumeFile
 
@@ -50,9 +49,9 @@ class FitSettings:
     # Adam's moments of the privatised gradient, post-processing; DP-SAT Table 3 fine-tunes
     # with it), with torch's default betas and eps.
     optimizer: str = "sgd"
-    # autocast of the DP step's forward/backward (train.per_sample.precision); fp32: none
+    # autocast of the DP step's forward/backward (per_sample.precision); fp32: none
     precision: str = "fp32"
-    per_sample_check: bool = True  # the wrap-time self-test (train.per_sample.self_test)
+    per_sample_check: bool = True  # the wrap-time self-test (per_sample.self_test)
     bn_affine: str = "train"
     # privacy.randomness: noise and Poisson masks from the seed, or from the OS (secret)
     randomness: str = "seeded"
@@ -162,7 +161,7 @@ def dp_fit(
     algo.frozen_statistics = list(gsm.independence.frozen)
     base_opt = base_optimizer(settings, gsm.parameters())
     algo.precision = make_precision(settings.precision, dev)
-    optimizer = bind_optimizer(algo.make_optimizer(base_opt), gsm, algo.precision)
+    optimizer = algo.make_optimizer(base_opt, gsm)
     if secret:
         sample_gen = randomness.secret_generator()
     else:

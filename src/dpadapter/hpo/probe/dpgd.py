@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import torch
 
 from dpadapter.hpo.probe.features import Split
+from dpadapter.per_sample.clip import clip_factors
 from dpadapter.privacy import randomness
-from dpadapter.train.per_sample.clip import clip_factors
 
 
 @dataclass(frozen=True)

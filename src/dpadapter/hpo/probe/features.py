@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from dpadapter import atomic
-from dpadapter.train.per_sample.independence import make_independent
+from dpadapter.per_sample.independence import make_independent
 
 SPLITS = ("train", "val", "test")
 

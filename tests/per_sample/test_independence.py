@@ -17,7 +17,7 @@ from timm.layers import BatchNormAct2d, EvoNorm2dB0, EvoNorm2dB1, EvoNorm2dS0
 from torch import nn
 
 from dpadapter.models.batchnorm import freeze_batchnorm
-from dpadapter.train.per_sample import MixedExamplesError, wrap_for_dp
+from dpadapter.per_sample import MixedExamplesError, wrap_for_dp
 
 SAMPLE = ((1, 6, 6), torch.float32)
 

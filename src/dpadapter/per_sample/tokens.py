@@ -15,7 +15,7 @@ example's gradient of them is a slice of the gradient at `_pos_embed`'s output (
 Used only where that layout is certain: the module's `_pos_embed` is timm's VisionTransformer
 one, it owns no other parameter, and it does not resample its position embedding
 (`dynamic_img_size`); any other module keeps the torch.func path. Checked in float64 against a
-whole-model torch.func reference (tests/train/test_vit_tokens.py). Hand-written: neither Opacus
+whole-model torch.func reference (tests/per_sample/test_vit_tokens.py). Hand-written: neither Opacus
 nor fastDP has a rule for a ViT's tokens.
 """
 

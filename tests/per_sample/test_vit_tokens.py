@@ -13,21 +13,15 @@ import warnings
 import pytest
 import timm
 import torch
-from opacus.optimizers import DPOptimizer
+from noiseless import dp_sgd  # tests/ is on sys.path
 
-from dpadapter.train.per_sample import bookkeeping
-from dpadapter.train.per_sample.bookkeeping import BookKeepingModule, attach_bookkeeping
+from dpadapter.per_sample import functional
+from dpadapter.per_sample.bookkeeping import BookKeepingModule
 
 
 def _step(model: torch.nn.Module) -> BookKeepingModule:
     bk = BookKeepingModule(model)
-    opt = attach_bookkeeping(
-        DPOptimizer(
-            torch.optim.SGD(bk.parameters(), lr=0.1), noise_multiplier=0.0, max_grad_norm=1.0,
-            expected_batch_size=4,
-        ),
-        bk,
-    )  # fmt: skip
+    opt = dp_sgd(bk, 1.0, 4, lr=0.1)
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(4, 3, 32, 32, generator=g), torch.randint(0, 3, (4,), generator=g)
     torch.nn.functional.cross_entropy(bk(x), y).backward()
@@ -37,14 +31,14 @@ def _step(model: torch.nn.Module) -> BookKeepingModule:
 
 @pytest.mark.parametrize("kw", [{}, {"reg_tokens": 2, "no_embed_class": True}])
 def test_a_vit_step_replays_nothing_and_warns_nothing(kw, monkeypatch):
-    real = bookkeeping.module_grads
+    real = functional.module_grads
 
     def no_replay(module, *a, **k):  # small modules (timm's LayerNorm) may; the model not
         if isinstance(module, timm.models.vision_transformer.VisionTransformer):
             raise AssertionError("torch.func replay of the whole VisionTransformer")
         return real(module, *a, **k)
 
-    monkeypatch.setattr(bookkeeping, "module_grads", no_replay)
+    monkeypatch.setattr(functional, "module_grads", no_replay)
     model = timm.create_model(
         "vit_tiny_patch16_224", img_size=32, patch_size=8, depth=1, num_classes=3, **kw
     )

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from noiseless import dp_sgd  # tests/ is on sys.path
 from opacus.grad_sample import GradSampleModule
-from opacus.optimizers import DPOptimizer
 from torch import nn
 
 from dpadapter.models import create_model
+from dpadapter.per_sample import wrap_for_dp
+from dpadapter.per_sample.opacus_modes import permuted_layout
 from dpadapter.settings import load
-from dpadapter.train.per_sample import bind_optimizer, wrap_for_dp
-from dpadapter.train.per_sample.opacus_modes import permuted_layout
 
 LOSS = nn.functional.cross_entropy
 
@@ -103,15 +103,7 @@ def test_table2_models_train_a_hooks_step_without_tripping_the_guard(path):
     assert {t.dataset for t in cfg.tasks.values()} == {"fashion-mnist"}  # 1 x 28 x 28, 10 classes
     model = create_model(cfg.model, 10, 1, seed=0)
     wrapped = wrap_for_dp(model, "hooks")
-    opt = bind_optimizer(
-        DPOptimizer(
-            torch.optim.SGD(wrapped.parameters(), lr=0.1),
-            noise_multiplier=1.0,
-            max_grad_norm=1.0,
-            expected_batch_size=3,
-        ),
-        wrapped,
-    )
+    opt = dp_sgd(wrapped, 1.0, 3, lr=0.1, noise=1.0)
     before = [p.detach().clone() for p in model.parameters()]
     x = torch.randn(3, 1, 28, 28)
     LOSS(wrapped(x), torch.tensor([0, 5, 9])).backward()

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
-from dpadapter.train.per_sample.clip import clip_factors
+from dpadapter.per_sample.clip import clip_factors
 
 CHUNK_ELEMENTS = 1 << 24  # per-example gradient elements held at once, per dtype
 FALLBACK_NOISE = 1e-3  # relative rounding assumed when no float64 reference can be had

@@ -1,4 +1,4 @@
-"""Mixed precision of the DP step (train.per_sample.precision): bf16 and fp16 against fp32.
+"""Mixed precision of the DP step (per_sample.precision): bf16 and fp16 against fp32.
 
 The privacy-relevant parts must not be low precision: each example's clipped contribution is
 within C (checked on one-example batches, where the clipped sum is that contribution), the
@@ -15,7 +15,7 @@ import functools
 
 import pytest
 import torch
-from opacus.optimizers import DPOptimizer
+from noiseless import dp_sgd  # tests/ is on sys.path
 from opacus.optimizers import optimizer as opacus_optimizer
 from torch import nn
 from torch.nn import functional as F
@@ -24,11 +24,11 @@ import dpadapter.train.dp_fit as fit
 from dpadapter.algorithms import DPAlgorithm
 from dpadapter.data import build_splits, public_train
 from dpadapter.models import create_model
+from dpadapter.per_sample import dp_optimizer, optimizers, wrap_for_dp
+from dpadapter.per_sample import precision as precision_mod
+from dpadapter.per_sample.precision import LossScale, Precision
 from dpadapter.settings import ModelConfig
 from dpadapter.train.dp_spec import run_spec
-from dpadapter.train.per_sample import bind_optimizer, bookkeeping, wrap_for_dp
-from dpadapter.train.per_sample import precision as precision_mod
-from dpadapter.train.per_sample.precision import LossScale, Precision
 
 MODES = ("hooks", "functorch", "ew", "bk")
 
@@ -52,17 +52,11 @@ def batch(kind: str, n: int = 8, seed: int = 1):
 def clip_once(model, mode, precision, x, y, c, monkeypatch):
     """(per-example norms, clipped sum) of one physical batch, no noise."""
     gsm = wrap_for_dp(model, mode)
-    opt = DPOptimizer(
-        torch.optim.SGD(gsm.parameters(), lr=0.0),
-        noise_multiplier=0.0,
-        max_grad_norm=c,
-        expected_batch_size=len(y),
-    )
     prec = Precision(precision)
-    opt = bind_optimizer(opt, gsm, prec)
+    opt = dp_sgd(gsm, c, len(y), precision=prec)
     seen = []
-    real = bookkeeping.clip_factors
-    monkeypatch.setattr(bookkeeping, "clip_factors", lambda n, m: seen.append(n) or real(n, m))
+    real = optimizers.clip_factors
+    monkeypatch.setattr(optimizers, "clip_factors", lambda n, m: seen.append(n) or real(n, m))
     prec.gradient(gsm, x, y, F.cross_entropy)
     opt.clip_and_accumulate()
     if mode == "bk":
@@ -198,7 +192,11 @@ def test_default_fp32_path_is_the_plain_backward(mode, tiny_cfg, monkeypatch):
         return loss
 
     monkeypatch.setattr(DPAlgorithm, "_gradient", plain)
-    monkeypatch.setattr(fit, "bind_optimizer", lambda opt, gsm, _p: bind_optimizer(opt, gsm))
+    monkeypatch.setattr(
+        DPAlgorithm,
+        "_new_optimizer",
+        lambda self, cls, wrapped, *a, **k: dp_optimizer(cls, wrapped, *a, **k),
+    )
     before, _, _ = _fit(tiny_cfg, mode, "fp32", physical=16)
     for k, w in before.state_dict().items():
         assert torch.equal(ours.state_dict()[k], w), k
@@ -291,14 +289,8 @@ def test_fp16_real_overflow_lowers_the_scale_and_clips_like_fp32(monkeypatch):
     model = mlp()
     _, s32 = clip_once(copy.deepcopy(model), "hooks", "fp32", x, y, 1.0, monkeypatch)
     gsm = wrap_for_dp(copy.deepcopy(model), "hooks")
-    opt = DPOptimizer(
-        torch.optim.SGD(gsm.parameters(), lr=0.0),
-        noise_multiplier=0.0,
-        max_grad_norm=1.0,
-        expected_batch_size=8,
-    )
     prec = Precision("fp16")
-    opt = bind_optimizer(opt, gsm, prec)
+    opt = dp_sgd(gsm, 1.0, 8, precision=prec)
     prec.gradient(gsm, x, y, F.cross_entropy)
     assert prec.scaler.recomputations >= 1
     assert prec.scale < 2.0**16

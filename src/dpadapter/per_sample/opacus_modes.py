@@ -1,9 +1,8 @@
-"""Opacus' per-sample modes (hooks, functorch, ew), wrapped and clipped in full FP32.
+"""Opacus' per-sample modes (hooks, functorch, ew), wrapped for DP training.
 
-Every mode clips in full FP32 (`device.full_fp32`): Opacus' clip takes the norms and the
-clipped sum (an einsum) with different kernels, and under TF32 a clipped example could add
-~1e-3 more than C to the sum. The per-example gradients themselves may come from TF32 kernels:
-the bound holds for whatever vector is clipped, as long as the clip is exact.
+Their DP optimizer clips in full FP32 (`optimizers.FP32Clip`): Opacus' clip takes the norms
+and the clipped sum (an einsum) with different kernels, and under TF32 a clipped example could
+add ~1e-3 more than C to the sum.
 
 `hooks` mode refuses a Conv2d input whose memory layout is a permutation (channels-last, or
 H and W transposed) rather than row-major: Opacus 1.6's hooks-mode Conv2d unfolds its input
@@ -15,7 +14,7 @@ arise from timm's LayerNorm2d (it permutes) or `memory_format=torch.channels_las
 is preferred over copying the input to row-major: a copy per conv per step would be paid
 silently, and the refusal names the conv, so the user picks `ew`/`functorch` or a row-major
 model. Sliced (non-dense) inputs are copied by `F.pad` and come out right, so they pass.
-tests/train/test_hooks_channels_last.py reproduces the error on raw Opacus.
+tests/per_sample/test_hooks_channels_last.py reproduces the error on raw Opacus.
 
 `hooks` and `functorch` put their hooks on every module with parameters, whatever is trainable
 when the model is wrapped, and a module frozen at the moment records nothing. Opacus hooks only
@@ -27,20 +26,11 @@ biases) and fails for lack of activations.
 
 from __future__ import annotations
 
-import functools
-from typing import TYPE_CHECKING
-
 import torch
 from opacus.grad_sample import GradSampleModule
 from opacus.grad_sample.utils import wrap_model
-from opacus.optimizers import DPOptimizer
 from opacus.utils.module_utils import requires_grad
 from torch import nn
-
-from dpadapter.device import full_fp32
-
-if TYPE_CHECKING:
-    from dpadapter.train.per_sample.precision import Precision
 
 OPACUS_MODES = ("hooks", "functorch", "ew")
 
@@ -113,18 +103,3 @@ def _refuse_permuted(name: str):
             )
 
     return hook
-
-
-def bind_fp32_clip(opt: DPOptimizer, precision: Precision | None = None) -> DPOptimizer:
-    """`precision` (mixed precision): per-example gradients cast up and unscaled first."""
-    clip = opt.clip_and_accumulate
-
-    @functools.wraps(clip)
-    def clip_and_accumulate(*args, **kwargs):
-        if precision is not None:
-            precision.unscale(opt.params)
-        with full_fp32():
-            return clip(*args, **kwargs)
-
-    opt.clip_and_accumulate = clip_and_accumulate
-    return opt

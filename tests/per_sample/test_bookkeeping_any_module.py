@@ -13,12 +13,12 @@ import pytest
 import timm
 import torch
 import torch.nn.functional as F
-from opacus.optimizers import DPOptimizer
+from noiseless import dp_sgd  # tests/ is on sys.path
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
-from dpadapter.train.per_sample import bind_optimizer, wrap_for_dp
-from dpadapter.train.per_sample.bookkeeping import BookKeepingModule, attach_bookkeeping
+from dpadapter.per_sample import wrap_for_dp
+from dpadapter.per_sample.bookkeeping import BookKeepingModule
 
 LOSS = F.cross_entropy
 CLASSES = 5
@@ -124,15 +124,7 @@ def _clipped(grads: torch.Tensor, c: float) -> torch.Tensor:
 def _bk_run(model, x, y, c, **kw):
     """Two physical batches through an Opacus DPOptimizer (sigma 0): norms and summed_grad."""
     bk = BookKeepingModule(model, **kw)
-    opt = attach_bookkeeping(
-        DPOptimizer(
-            torch.optim.SGD(bk.parameters(), lr=0.0),
-            noise_multiplier=0.0,
-            max_grad_norm=c,
-            expected_batch_size=len(y),
-        ),
-        bk,
-    )
+    opt = dp_sgd(bk, c, len(y))
     norms = []
     half = len(y) // 2
     for part in (slice(0, half), slice(half, None)):
@@ -183,15 +175,7 @@ def test_a_dp_optimizer_step_through_wrap_and_bind_gives_the_reference_sum():
     c = float(ref.norm(dim=1).median())
     wrapped = wrap_for_dp(model, "bk")
     _eval_batchnorms(model)  # wrap leaves modes alone; dp_fit's .train() would be refused
-    opt = bind_optimizer(
-        DPOptimizer(
-            torch.optim.SGD(wrapped.parameters(), lr=0.0),
-            noise_multiplier=0.0,
-            max_grad_norm=c,
-            expected_batch_size=len(y),
-        ),
-        wrapped,
-    )
+    opt = dp_sgd(wrapped, c, len(y))
     LOSS(wrapped(x), y).backward()
     opt.pre_step()
     got = torch.cat([p.summed_grad.reshape(-1) for p in opt.params])
@@ -259,8 +243,8 @@ def test_what_cannot_be_right_is_refused_naming_the_module():
 def test_every_registered_model_keeps_the_closed_forms():
     """The pipeline's own models never take torch.func: their bk results stay as they were."""
     from dpadapter.models import MODEL_NAMES, create_model
+    from dpadapter.per_sample.bookkeeping import closed_form
     from dpadapter.settings import ModelConfig
-    from dpadapter.train.per_sample.bookkeeping import closed_form
 
     for name in sorted(MODEL_NAMES):
         channels = 3 if name.startswith("resnet") else 1

@@ -9,8 +9,8 @@ what the mode computes with a torch.func reference (`grad` of each example's own
 model's trainable parameters, under `vmap` in chunks):
 
 - the per-example gradient norms;
-- the clipped sums `sum_i c_i g_i`, as the DP optimizer bound by `bind` releases them (Opacus'
-  `clip_and_accumulate`, or bk's), at a clip bound C that clips about half of the examples
+- the clipped sums `sum_i c_i g_i`, as the DP optimizer made by `make_optimizer` releases them
+  (Opacus' `clip_and_accumulate`, or bk's), at a clip bound C that clips about half of the examples
   (the median reference norm of the first chunk) so both branches of the clip run;
 - each example's norms again after another example of the batch is changed: they must not
   move (a per-sample mode that lets examples interact, or a layer that mixes them in its
@@ -64,8 +64,8 @@ from opacus.optimizers import DPOptimizer
 from torch import nn
 
 from dpadapter.device import full_fp32
-from dpadapter.train.per_sample.independence import restore_buffers, snapshot_buffers
-from dpadapter.train.per_sample.reference import Reference, reference
+from dpadapter.per_sample.independence import restore_buffers, snapshot_buffers
+from dpadapter.per_sample.reference import Reference, reference
 
 TOLERANCE = 1e-3
 FLOOR = 1e-5
@@ -86,7 +86,7 @@ class PerSampleCheckError(RuntimeError):
 def run_check(
     model: nn.Module,
     wrap: Callable[[], nn.Module],
-    bind: Callable[[DPOptimizer, nn.Module], DPOptimizer],
+    make_optimizer: Callable[..., DPOptimizer],
     mode: str,
     sample_shape: Sequence[int],
     dtype: torch.dtype = torch.float32,
@@ -95,8 +95,9 @@ def run_check(
 ) -> tuple[nn.Module, dict[str, Any]]:
     """Wrap `model` by `wrap()` and check what the wrapped module's clipping computes.
 
-    `bind` makes a DP optimizer clip the way the wrapped module records gradients (what
-    training binds). Returns (wrapped, record for metrics.json); raises PerSampleCheckError.
+    `make_optimizer` (`optimizers.dp_optimizer`) makes a DP optimizer that clips the way the
+    wrapped module records gradients, as training makes it. Returns (wrapped, record for
+    metrics.json); raises PerSampleCheckError.
     """
     n = max(2, examples or EXAMPLES)
     groups = _trained_groups(model)
@@ -119,7 +120,9 @@ def run_check(
                 classes = model(x).shape[-1]
             y = torch.randint(0, classes, (n,), generator=gen).to(param.device)
             other = _synthetic(x.shape[1:], dtype, gen).to(param.device) * 3 + 1
-            wrapped, errors, failing = _attempt(model, wrap, bind, groups, x, y, other, tolerance)
+            wrapped, errors, failing = _attempt(
+                model, wrap, make_optimizer, groups, x, y, other, tolerance
+            )
             if failing and len(failing) <= max(1, n // KINK_SHARE):
                 # A few examples off, the rest exact: most likely inputs within rounding of a
                 # kink (a max-pool tie, a ReLU at 0), where float32 and float64 take different
@@ -133,7 +136,7 @@ def run_check(
                     x = x.clone()
                     x[idx] += KINK_STEP * step
                 wrapped, errors, failing = _attempt(
-                    model, wrap, bind, groups, x, y, other, tolerance
+                    model, wrap, make_optimizer, groups, x, y, other, tolerance
                 )
     finally:
         for m, training in modes.items():
@@ -160,7 +163,7 @@ def run_check(
 _REF_DTYPE = "reference dtype"
 
 
-def _attempt(model, wrap, bind, groups, x, y, other, tolerance):
+def _attempt(model, wrap, make_optimizer, groups, x, y, other, tolerance):
     """Reference, wrap, the mode's norms and sums: (wrapped, errors, examples off).
 
     `other` replaces the middle example for the check that examples do not interact."""
@@ -170,7 +173,7 @@ def _attempt(model, wrap, bind, groups, x, y, other, tolerance):
     ref = reference(model, groups, x, y, FLOOR)
     wrapped = wrap()  # what wrapping adds (hooks, Opacus' attributes) stays
     with _restored(model):  # the mode's per-sample state is dropped after
-        got = _mode_run(wrapped, bind, groups, x, y, ref.clip)
+        got = _mode_run(wrapped, make_optimizer, groups, x, y, ref.clip)
     with _restored(model):
         moved = _mode_run(wrapped, None, groups, x2, y, None)
     errors = _compare(ref, got, moved, n // 2)
@@ -269,11 +272,11 @@ def _rows_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.sqrt(sum(t.detach().double().flatten(1).pow(2).sum(1) for t in tensors))
 
 
-def _mode_run(wrapped, bind, groups, x, y, clip) -> dict[str, Any]:
+def _mode_run(wrapped, make_optimizer, groups, x, y, clip) -> dict[str, Any]:
     """{norms: {module: (n,)}, sums: {module: [summed_grad]}} as the wrapped mode computes
-    them: one forward/backward on the batch, the norms, then (with `bind`) the clipped sums of
-    a noiseless DP optimizer bound as training binds it."""
-    from dpadapter.train.per_sample.bookkeeping import BookKeepingModule
+    them: one forward/backward on the batch, the norms, then (with `make_optimizer`) the
+    clipped sums of a noiseless DP optimizer made as training makes it."""
+    from dpadapter.per_sample.bookkeeping import BookKeepingModule
 
     params = [p for ps in groups.values() for p in ps]
     F.cross_entropy(wrapped(x), y).backward()
@@ -284,14 +287,16 @@ def _mode_run(wrapped, bind, groups, x, y, clip) -> dict[str, Any]:
         else:
             norms = {mod: _opacus_norms(ps, len(y)) for mod, ps in groups.items()}
     sums = None
-    if bind is not None and all(v.isfinite().all() for v in norms.values()):
-        opt = DPOptimizer(
+    if make_optimizer is not None and all(v.isfinite().all() for v in norms.values()):
+        opt = make_optimizer(
+            DPOptimizer,
+            wrapped,
             torch.optim.SGD(params, lr=0.0),
             noise_multiplier=0.0,
             max_grad_norm=clip,
             expected_batch_size=len(y),
         )
-        bind(opt, wrapped).clip_and_accumulate()
+        opt.clip_and_accumulate()
         sums = {mod: [p.summed_grad.detach().double() for p in ps] for mod, ps in groups.items()}
     if bk:
         wrapped.clear()

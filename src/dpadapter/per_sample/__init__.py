@@ -1,12 +1,17 @@
 """Per-example gradients and clipping: every `grad_sample_mode` in one package.
 
 `finetune.grad_sample_mode` picks how per-example gradients are had: Opacus' modes (hooks,
-functorch, ew; `opacus_modes`) store them; `bk` (`bookkeeping`, written here) clips without
-storing them. An algorithm that reads per-example gradients itself (`needs_per_sample_gradients`,
-GEP) gets Opacus' hooks under `bk`; metrics.json records the mode that actually ran. Every clip
-factor comes from `clip.clip_factors`. `precision` is `finetune.precision`: autocast of the
-training forward/backward, per-example gradients cast up (and fp16's loss scale divided out)
-before the clip, so that norms, clipped sums and noise stay fp32.
+functorch, ew; `opacus_modes`) store them; `bk` clips without storing them (written here: the
+recording hooks in `bookkeeping`, one table of per-layer closed forms in `rules`, Conv2d's
+kernels in `conv`, their buffer pool in `buffers`, torch.func for every other module in
+`functional`). The algorithm's DP optimizer clips the way the wrapped module records gradients:
+`dp_optimizer` builds it from the class `optimizers.optimizer_class` picks for the algorithm's
+class and the wrapped module (as Opacus' `get_optimizer_class`). An algorithm that reads per-
+example gradients itself (`needs_per_sample_gradients`, GEP) gets Opacus' hooks under `bk`;
+metrics.json records the mode that actually ran. Every clip factor comes from
+`clip.clip_factors`. `precision` is `finetune.precision`: autocast of the training
+forward/backward, per-example gradients cast up (and fp16's loss scale divided out) before the
+clip, so that norms, clipped sums and noise stay fp32.
 
 Wrapping first makes sure that no module mixes the examples of a batch or learns from them in
 training mode (`independence`: running statistics frozen, anything else refused by name),
@@ -21,19 +26,19 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from opacus.optimizers import DPOptimizer
 from torch import nn
 
-from dpadapter.train.per_sample.bookkeeping import BookKeepingModule, attach_bookkeeping
-from dpadapter.train.per_sample.clip import clip_factors
-from dpadapter.train.per_sample.independence import (
+from dpadapter.per_sample.bookkeeping import BookKeepingModule
+from dpadapter.per_sample.clip import clip_factors
+from dpadapter.per_sample.independence import (
     Independence,
     MixedExamplesError,
     make_independent,
 )
-from dpadapter.train.per_sample.opacus_modes import OPACUS_MODES, bind_fp32_clip, wrap_opacus
-from dpadapter.train.per_sample.precision import PRECISIONS, Precision, make_precision
-from dpadapter.train.per_sample.self_test import PerSampleCheckError, run_check
+from dpadapter.per_sample.opacus_modes import OPACUS_MODES, wrap_opacus
+from dpadapter.per_sample.optimizers import dp_optimizer, optimizer_class
+from dpadapter.per_sample.precision import PRECISIONS, Precision, make_precision
+from dpadapter.per_sample.self_test import PerSampleCheckError, run_check
 
 GRAD_SAMPLE_MODES = (*OPACUS_MODES, "bk")
 
@@ -44,10 +49,11 @@ __all__ = [
     "MixedExamplesError",
     "Precision",
     "PerSampleCheckError",
-    "bind_optimizer",
     "clip_factors",
+    "dp_optimizer",
     "effective_mode",
     "make_precision",
+    "optimizer_class",
     "wrap_for_dp",
 ]
 
@@ -93,7 +99,7 @@ def wrap_for_dp(
         _report(found)
         if check:
             wrapped, record = run_check(
-                model, wrap, bind_optimizer, mode, shape, dtype, examples=check_batch
+                model, wrap, dp_optimizer, mode, shape, dtype, examples=check_batch
             )
         else:
             wrapped, record = wrap(), None
@@ -125,18 +131,3 @@ def _check_at_first_forward(model: nn.Module, wrapped: nn.Module) -> None:
         _report(wrapped.independence)
 
     handle = wrapped.register_forward_pre_hook(hook, with_kwargs=True)
-
-
-def bind_optimizer(
-    opt: DPOptimizer, wrapped: nn.Module, precision: Precision | None = None
-) -> DPOptimizer:
-    """The DP optimizer made by the algorithm, clipping the way `wrapped` records gradients.
-
-    `precision` (mixed precision, `precision.Precision`) learns where the per-example gradients
-    are, to check them for fp16 overflow and cast them up before the clip.
-    """
-    if precision is not None:
-        precision.bind(lambda: opt.params, wrapped)
-    if isinstance(wrapped, BookKeepingModule):
-        return attach_bookkeeping(opt, wrapped)  # bk's own clip runs under full_fp32
-    return bind_fp32_clip(opt, precision)

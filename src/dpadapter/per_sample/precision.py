@@ -46,7 +46,7 @@ import torch
 from torch import nn
 
 from dpadapter.device import rng_state, set_rng_state
-from dpadapter.train.per_sample.bookkeeping import BookKeepingModule
+from dpadapter.per_sample.bookkeeping import BookKeepingModule
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -100,7 +100,7 @@ class LossScale:
 class Precision:
     """How the DP step computes its gradient; fp32 (the default) is the plain forward/backward.
 
-    `bind` (from `per_sample.bind_optimizer`) gives it the optimizer's parameters and the
+    `bind` (from `optimizers.dp_optimizer`) gives it the optimizer's parameters and the
     wrapped module, whose per-example gradients it checks for overflow and unscales.
     """
 

@@ -14,10 +14,9 @@ import torch
 from opacus.grad_sample import GradSampleModule
 from torch import nn
 
-from dpadapter.train.per_sample import PerSampleCheckError, bind_optimizer, wrap_for_dp
-from dpadapter.train.per_sample import bookkeeping as bk_module
-from dpadapter.train.per_sample.bookkeeping import BookKeepingModule
-from dpadapter.train.per_sample.self_test import run_check
+from dpadapter.per_sample import PerSampleCheckError, dp_optimizer, rules, wrap_for_dp
+from dpadapter.per_sample.bookkeeping import BookKeepingModule
+from dpadapter.per_sample.self_test import run_check
 
 FLAT = ((6,), torch.float32)
 
@@ -31,7 +30,7 @@ def _wrong_sums(monkeypatch, only_recomputed: bool) -> None:
     """bk's clipped sum of every Linear weight 50 % too large (the norms stay right); with
     `only_recomputed`, only where per-example gradients were computed but not kept for the
     sum, i.e. at batch sizes where n * weight.numel() exceeds `keep_elements`."""
-    right = bk_module._layer_sums
+    right = rules.layer_sums
 
     def wrong(rec, weights, wanted):
         out = right(rec, weights, wanted)
@@ -41,7 +40,7 @@ def _wrong_sums(monkeypatch, only_recomputed: bool) -> None:
             out[id(w)] = out[id(w)] * 1.5
         return out
 
-    monkeypatch.setattr(bk_module, "_layer_sums", wrong)
+    monkeypatch.setattr(rules, "layer_sums", wrong)
 
 
 def test_a_wrong_clipped_sum_is_refused_naming_the_module(monkeypatch):
@@ -138,7 +137,7 @@ def test_the_self_test_runs_parameter_free_modules_in_training_mode(mode):
         return BookKeepingModule(model) if mode == "bk" else GradSampleModule(model)
 
     with pytest.raises(PerSampleCheckError):
-        run_check(model, wrap, bind_optimizer, mode, (6,), examples=8)
+        run_check(model, wrap, dp_optimizer, mode, (6,), examples=8)
 
 
 @pytest.mark.parametrize("mode", ["bk", "hooks", "functorch", "ew"])

@@ -12,18 +12,15 @@ import copy
 
 import pytest
 import torch
+from noiseless import dp_sgd  # tests/ is on sys.path
 from opacus.optimizers import DPOptimizer
 from torch import nn
 
 from dpadapter.models import MODEL_NAMES, create_model
+from dpadapter.per_sample import dp_optimizer, effective_mode, wrap_for_dp
+from dpadapter.per_sample.bookkeeping import BookKeepingModule
+from dpadapter.per_sample.conv import per_example_grouped, per_example_im2col
 from dpadapter.settings import ModelConfig
-from dpadapter.train.per_sample import bind_optimizer, effective_mode, wrap_for_dp
-from dpadapter.train.per_sample.bookkeeping import (
-    BookKeepingModule,
-    _conv_per_example_grouped,
-    _conv_per_example_im2col,
-    attach_bookkeeping,
-)
 
 LOSS = nn.functional.cross_entropy
 
@@ -86,15 +83,7 @@ def reference(model: nn.Module, x, y, c: float | None):
 
 def bk_sum(model: nn.Module, x, y, c: float, **kw) -> torch.Tensor:
     bk = BookKeepingModule(model, **kw)
-    opt = attach_bookkeeping(
-        DPOptimizer(
-            torch.optim.SGD(bk.parameters(), lr=0.0),
-            noise_multiplier=0.0,
-            max_grad_norm=c,
-            expected_batch_size=len(y),
-        ),
-        bk,
-    )
+    opt = dp_sgd(bk, c, len(y))
     half = len(y) // 2
     for part in (slice(0, half), slice(half, None)):
         LOSS(bk(x[part]), y[part]).backward()
@@ -162,9 +151,9 @@ def test_per_example_conv_gradients_match_autograd(conv, kernel):
     # Full batch, a smaller one (a prefix of the kept buffer), the full one again (reused).
     for rows in (slice(0, 5), slice(1, 3), slice(0, 5)):
         if kernel == "im2col":
-            got = _conv_per_example_im2col(m, a[rows], g[rows], workspace)
+            got = per_example_im2col(m, a[rows], g[rows], workspace)
         else:
-            got = _conv_per_example_grouped(m, a[rows], g[rows], m.weight)
+            got = per_example_grouped(m, a[rows], g[rows], m.weight)
         assert got.shape == want[rows].shape
         assert torch.allclose(got, want[rows], rtol=1e-10, atol=1e-12)
     assert len(workspace) == (kernel == "im2col")
@@ -294,24 +283,24 @@ def tf32_on():
 
 def test_clipping_runs_in_full_fp32_and_restores_the_flags(tf32_on, monkeypatch):
     """Norms and clipped sums both see TF32 off; the job's flags come back after the clip."""
-    import dpadapter.train.per_sample.bookkeeping as bkmod
+    from dpadapter.per_sample import rules
 
     seen: dict[str, tuple[str, bool]] = {}
-    for name in ("_layer_norms_sq", "_layer_sums"):
-        real = getattr(bkmod, name)
+    for name in ("layer_norms_sq", "layer_sums"):
+        real = getattr(rules, name)
 
         def spy(*a, _real=real, _name=name, **k):
             seen[_name] = _tf32_flags()
             return _real(*a, **k)
 
-        monkeypatch.setattr(bkmod, name, spy)
+        monkeypatch.setattr(rules, name, spy)
     model, shape, classes = CASES["cnn-gn"]()
     x, y = _data(shape, classes)
     got = bk_sum(model, x.float(), y, 0.1)
     assert got.abs().sum() > 0
     assert seen == {
-        "_layer_norms_sq": ("highest", False),
-        "_layer_sums": ("highest", False),
+        "layer_norms_sq": ("highest", False),
+        "layer_sums": ("highest", False),
     }, seen
     assert _tf32_flags() == ("high", True), "the clip must restore the job's TF32 setting"
 
@@ -319,10 +308,14 @@ def test_clipping_runs_in_full_fp32_and_restores_the_flags(tf32_on, monkeypatch)
 def _noiseless_optimizer(wrapped: nn.Module, max_grad_norm: float) -> DPOptimizer:
     """A σ = 0 DP optimizer over a batch of 4, clipping the way `wrapped` records gradients."""
     base = torch.optim.SGD(wrapped.parameters(), lr=0.1)
-    opt = DPOptimizer(
-        base, noise_multiplier=0.0, max_grad_norm=max_grad_norm, expected_batch_size=4
+    return dp_optimizer(
+        DPOptimizer,
+        wrapped,
+        base,
+        noise_multiplier=0.0,
+        max_grad_norm=max_grad_norm,
+        expected_batch_size=4,
     )
-    return bind_optimizer(opt, wrapped)
 
 
 @pytest.mark.parametrize("mode", ["hooks", "ew", "functorch"])

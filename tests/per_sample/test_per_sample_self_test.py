@@ -6,21 +6,20 @@ import copy
 
 import pytest
 import torch
+from noiseless import dp_sgd  # tests/ is on sys.path
 from opacus.grad_sample import GradSampleModule
-from opacus.optimizers import DPOptimizer
 from torch import nn
 
 from dpadapter.models import create_model
-from dpadapter.settings import ModelConfig, from_dict
-from dpadapter.train.dp_fit import FitSettings
-from dpadapter.train.per_sample import (
+from dpadapter.per_sample import (
     GRAD_SAMPLE_MODES,
     PerSampleCheckError,
-    bind_optimizer,
+    rules,
     wrap_for_dp,
 )
-from dpadapter.train.per_sample import bookkeeping as bk_module
-from dpadapter.train.per_sample.self_test import EXAMPLES, TOLERANCE
+from dpadapter.per_sample.self_test import EXAMPLES, TOLERANCE
+from dpadapter.settings import ModelConfig, from_dict
+from dpadapter.train.dp_fit import FitSettings
 
 SAMPLE = ((1, 28, 28), torch.float32)
 
@@ -38,15 +37,7 @@ def _state(model: nn.Module):
 
 def _step(model: nn.Module, wrapped: nn.Module) -> None:
     """One noisy DP step on fixed data (noise from the global RNG)."""
-    opt = bind_optimizer(
-        DPOptimizer(
-            torch.optim.SGD(wrapped.parameters(), lr=0.1),
-            noise_multiplier=1.0,
-            max_grad_norm=0.5,
-            expected_batch_size=4,
-        ),
-        wrapped,
-    )
+    opt = dp_sgd(wrapped, 0.5, 4, lr=0.1, noise=1.0)
     torch.manual_seed(11)
     g = torch.Generator().manual_seed(5)
     x, y = torch.randn(4, 1, 28, 28, generator=g), torch.randint(0, 10, (4,), generator=g)
@@ -114,13 +105,13 @@ def test_a_wrong_opacus_grad_sampler_is_refused_naming_the_module(monkeypatch):
 
 
 def test_a_wrong_bookkeeping_norm_is_refused_naming_the_module(monkeypatch):
-    right = bk_module._norm_layer_grads
+    right = rules.norm_layer_grads
 
     def wrong(module, a, g):
         gw, gb = right(module, a, g)
         return gw * 1.5, gb  # the GroupNorm weight's per-example gradient 50 % too large
 
-    monkeypatch.setattr(bk_module, "_norm_layer_grads", wrong)
+    monkeypatch.setattr(rules, "norm_layer_grads", wrong)
     model = _cnn()
     gn = [n for n, m in model.named_modules() if isinstance(m, nn.GroupNorm)]
     with pytest.raises(PerSampleCheckError, match=r"'bk' .* at module '(.*)' \(GroupNorm\)") as e:

@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dpadapter.config import ModelConfig
 from dpadapter.models import create_model
-from dpadapter.train.per_sample import PerSampleCheckError, self_test, wrap_for_dp
-from dpadapter.train.per_sample import bookkeeping as bk_module
+from dpadapter.per_sample import PerSampleCheckError, self_test, wrap_for_dp
+from dpadapter.per_sample import bookkeeping as bk_module
+from dpadapter.settings import ModelConfig
 
 SAMPLE = ((1, 28, 28), torch.float32)
 

@@ -1,0 +1,108 @@
+"""Conv2d kernels of book-keeping: per-example weight gradients, input patches, clipped sums.
+
+A Conv2d's per-example weight gradient is `g_i^T P_i` (P_i example i's input patches), its
+clipped sum one weight-gradient kernel on the clip-weighted output gradients. Which kernel is
+faster depends on the shapes, measured on this CPU (bench/conv_per_example.py, 2 threads,
+ms, grouped vs im2col + bmm, batch 256 unless said): 3->16 at 32x32 (ResNet20's stem) 17.8 vs
+6.1; 4->16 at 28x28 9.5 vs 6.1; 1->64 (GNResNet-10's stem) 6.6 vs 6.7; 1->32 (DPNAS') 4.8 vs
+3.5; 1->8, batch 200 (the embedded CNN's) 1.28 vs 0.62; but 8->16 at 14x14 0.68 vs 1.43 and
+depthwise 32 groups at 28x28 4.4 vs 34.4. The grouped kernel runs far below its FLOP rate when
+a group has few input channels; bmm does when the matrices are tiny (one output channel per
+group). Hence `IM2COL_MAX_IN_CHANNELS`. The rule that picks a kernel is in `rules`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dpadapter.per_sample.buffers import Workspace, buffer
+
+# Per-example gradients of an ungrouped conv with up to this many input channels come from
+# im2col + a batched matrix product, of any other conv from the grouped weight-gradient kernel
+# (module docstring: the measurements).
+IM2COL_MAX_IN_CHANNELS = 4
+
+
+def per_example_grouped(
+    module: nn.Conv2d, a: torch.Tensor, g: torch.Tensor, w: torch.Tensor
+) -> torch.Tensor:
+    """(n, *w.shape): examples as groups, one grouped weight-gradient kernel for all of them."""
+    n, c_in = a.shape[:2]
+    c_out = g.shape[1]
+    grads = weight_grad(
+        module,
+        g.reshape(1, n * c_out, *g.shape[2:]),
+        a.reshape(1, n * c_in, *a.shape[2:]),
+        w.new_empty(1).expand(n * c_out, *w.shape[1:]),  # only its shape is read
+        n * module.groups,
+    )
+    return grads.reshape(n, *w.shape)
+
+
+def per_example_im2col(
+    module: nn.Conv2d,
+    a: torch.Tensor,
+    g: torch.Tensor,
+    workspace: Workspace | None = None,
+) -> torch.Tensor:
+    """(n, Cout, Cin/G, kh, kw): `g_i^T P_i` per example and group, P the input patches.
+
+    The patches are laid out (n, Cin, kh, kw, T) by kh*kw strided slice copies (rows stay
+    contiguous), which on this CPU is 8x faster than `F.unfold` for one input channel.
+    """
+    (kh, kw), (sh, sw), (dh, dw) = module.kernel_size, module.stride, module.dilation
+    ph, pw = module.padding  # type: ignore[misc]
+    n, c_in = a.shape[:2]
+    c_out, ho, wo = g.shape[1:]
+    groups = module.groups
+    x = F.pad(a, (pw, pw, ph, ph))
+    buf = buffer(workspace, "im2col", (n, c_in, kh, kw, ho, wo), a)
+    for i in range(kh):
+        for j in range(kw):
+            rows = slice(i * dh, i * dh + sh * (ho - 1) + 1, sh)
+            cols = slice(j * dw, j * dw + sw * (wo - 1) + 1, sw)
+            buf[:, :, i, j] = x[:, :, rows, cols]
+    d = c_in // groups * kh * kw
+    patches = buf.view(n * groups, d, ho * wo)
+    out = torch.bmm(g.reshape(n * groups, c_out // groups, ho * wo), patches.transpose(1, 2))
+    return out.reshape(n, c_out, c_in // groups, kh, kw)
+
+
+def weight_grad(
+    module: nn.Conv2d, g: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, groups: int
+) -> torch.Tensor:
+    """The weight gradient of `module`'s convolution for output gradient g and input a."""
+    return torch.ops.aten.convolution_backward(
+        g,
+        a,
+        weight,
+        None,
+        module.stride,
+        module.padding,
+        module.dilation,
+        False,
+        [0, 0],
+        groups,
+        [False, True, False],
+    )[1]
+
+
+def patches(module: nn.Conv2d, a: torch.Tensor, workspace: Workspace | None = None) -> torch.Tensor:
+    """Input patches (n, T, kh*kw*Cin) copied from a channels-last view (contiguous rows).
+
+    With a `workspace` the copy goes into a buffer kept there for the layout; the result is only
+    valid until the next call with the same layout (ghost norms consume it at once).
+    """
+    (kh, kw), (sh, sw), (dh, dw) = module.kernel_size, module.stride, module.dilation
+    ph, pw = module.padding  # type: ignore[misc]
+    x = F.pad(a, (pw, pw, ph, ph)).contiguous(memory_format=torch.channels_last)
+    v = x.unfold(2, dh * (kh - 1) + 1, sh).unfold(3, dw * (kw - 1) + 1, sw)
+    v = v[..., ::dh, ::dw]  # (n, C, Ho, Wo, kh, kw)
+    n, c, ho, wo = v.shape[:4]
+    v = v.permute(0, 2, 3, 4, 5, 1)
+    if workspace is None:
+        return v.reshape(n, ho * wo, kh * kw * c)
+    buf = buffer(workspace, "patches", tuple(v.shape), a)
+    return buf.copy_(v).view(n, ho * wo, kh * kw * c)

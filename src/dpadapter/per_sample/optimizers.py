@@ -1,0 +1,151 @@
+"""The DP optimizer's clip, chosen by how the wrapped module records gradients.
+
+An algorithm picks its Opacus optimizer class (DPOptimizer, AdaClip's, GEP's) for its noise
+and phases; how per-example gradients are clipped depends on the per-sample mode instead. So,
+as Opacus' `get_optimizer_class(clipping, distributed, grad_sample_mode)` does, a factory
+(`optimizer_class`) returns the class to construct: the algorithm's class behind one of two
+clip mixins, made once per pair and cached:
+
+- `BookKeepingClip` (mode `bk`): the norms and clipped sums from the module's records
+  (`bookkeeping`), never from per-example gradients;
+- `FP32Clip` (Opacus' modes: hooks, functorch, ew): the class' own clip, with the per-example
+  gradients unscaled and cast up first under mixed precision (`precision`).
+
+Both clip in full FP32 (`device.full_fp32`): the norms and the clipped sum come from different
+kernels, and under TF32 a clipped example could add ~1e-3 more than C to the sum, i.e. more
+than the sensitivity the accountant is told (`bookkeeping`'s docstring). The per-example
+gradients themselves may come from TF32 kernels: the bound holds for whatever vector is
+clipped, as long as the clip is exact.
+
+`dp_optimizer` constructs one; the class is fixed at construction and never swapped on a live
+object.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING, Any
+
+import torch
+from opacus.optimizers import DPOptimizer
+from torch import nn
+
+from dpadapter.device import full_fp32
+from dpadapter.per_sample.bookkeeping import BookKeepingModule
+from dpadapter.per_sample.clip import clip_factors
+
+if TYPE_CHECKING:
+    from dpadapter.per_sample.precision import Precision
+
+
+class FP32Clip:
+    """Placed before an Opacus optimizer class: its own clip, in full FP32, on per-example
+    gradients unscaled and cast up (`precision`, mixed precision) first."""
+
+    def __init__(self, *args: Any, precision: Precision | None = None, **kwargs: Any):
+        self.precision = precision
+        super().__init__(*args, **kwargs)  # type: ignore[call-arg]
+
+    def clip_and_accumulate(self, *args: Any, **kwargs: Any) -> None:
+        if self.precision is not None:
+            self.precision.unscale(self.params)  # type: ignore[attr-defined]
+        with full_fp32():
+            return super().clip_and_accumulate(*args, **kwargs)  # type: ignore[misc]
+
+
+class BookKeepingClip:
+    """Placed before an Opacus optimizer class: clipping from the module's records.
+
+    Everything else (noise, scaling, virtual steps, step hooks, AdaClip's count through
+    `observe_norms`) is the wrapped class's. Opacus reads `p.grad_sample` only to count
+    accumulated physical batches and to spot empty ones; after clipping each parameter holds an
+    empty `(n, 0)` marker there instead of its per-example gradients. Under mixed precision the
+    module itself divides the loss scale out (`BookKeepingModule.grad_scale`).
+    """
+
+    def __init__(self, *args: Any, bookkeeping: BookKeepingModule, **kwargs: Any):
+        self.bookkeeping = bookkeeping
+        super().__init__(*args, **kwargs)  # type: ignore[call-arg]
+
+    @property
+    def grad_samples(self) -> list[torch.Tensor]:
+        n = self.bookkeeping.batch_size()
+        if n is None:
+            return super().grad_samples  # type: ignore[misc]
+        return [_marker(p, n) for p in self.params]  # type: ignore[attr-defined]
+
+    def clip_and_accumulate(self) -> None:
+        """Norms, clip factors and clipped sums in full FP32: see the module docstring."""
+        with full_fp32():
+            self._clip_and_accumulate()
+
+    def _clip_and_accumulate(self) -> None:
+        params = self.params  # type: ignore[attr-defined]
+        bk = self.bookkeeping
+        n = bk.batch_size()
+        if n is None:  # an empty Poisson batch: the algorithm set empty per-sample gradients
+            for p in params:
+                gs = getattr(p, "grad_sample", None)
+                if gs is None or len(gs) != 0:
+                    raise RuntimeError("grad_sample_mode 'bk': no forward/backward to clip")
+            device = params[0].device if params else None
+            norms = torch.zeros(0, device=device)
+            sums = {id(p): torch.zeros_like(p) for p in params}
+        else:
+            norms = bk.per_sample_norms(params)
+            sums = None
+        factor = clip_factors(norms, self.max_grad_norm)  # type: ignore[attr-defined]
+        observe = getattr(self, "observe_norms", None)
+        if observe is not None:
+            observe(norms)
+        if sums is None:
+            sums = bk.clipped_sums(params, factor)
+        for p in params:
+            s = sums[id(p)].to(p.dtype)
+            prev = getattr(p, "summed_grad", None)
+            p.summed_grad = s if prev is None else prev + s
+            if getattr(p, "grad_sample", None) is None:
+                p.grad_sample = _marker(p, n or 0)
+        bk.clear()
+
+
+def _marker(p: torch.Tensor, n: int) -> torch.Tensor:
+    return torch.empty((n, 0), dtype=p.dtype, device=p.device)
+
+
+@functools.cache
+def _with_clip(clip: type, base: type[DPOptimizer]) -> type[DPOptimizer]:
+    name = {BookKeepingClip: "BookKeeping", FP32Clip: "FP32Clip"}[clip] + base.__name__
+    return type(name, (clip, base), {"__module__": __name__})
+
+
+def optimizer_class(base: type[DPOptimizer], wrapped: nn.Module) -> type[DPOptimizer]:
+    """The class to construct for algorithm class `base` and the module `wrapped_for_dp` made:
+    `base` behind `BookKeepingClip` for a `BookKeepingModule`, else behind `FP32Clip`."""
+    if issubclass(base, (BookKeepingClip, FP32Clip)):
+        raise TypeError(f"{base.__name__} already has its clip; pass the algorithm's class")
+    clip = BookKeepingClip if isinstance(wrapped, BookKeepingModule) else FP32Clip
+    return _with_clip(clip, base)
+
+
+def dp_optimizer(
+    base: type[DPOptimizer],
+    wrapped: nn.Module,
+    *args: Any,
+    precision: Precision | None = None,
+    **kwargs: Any,
+) -> DPOptimizer:
+    """`optimizer_class(base, wrapped)(*args, **kwargs)`: the DP optimizer of an algorithm,
+    clipping the way `wrapped` records gradients.
+
+    `precision` (mixed precision, `precision.Precision`) learns where the per-example gradients
+    are, to check them for fp16 overflow and cast them up before the clip.
+    """
+    cls = optimizer_class(base, wrapped)
+    if issubclass(cls, BookKeepingClip):
+        opt = cls(*args, bookkeeping=wrapped, **kwargs)  # bk's own clip runs under full_fp32
+    else:
+        opt = cls(*args, precision=precision, **kwargs)
+    if precision is not None:
+        precision.bind(lambda: opt.params, wrapped)
+    return opt

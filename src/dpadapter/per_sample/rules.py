@@ -1,0 +1,259 @@
+"""Book-keeping's closed forms: one table from a layer type to its two rules.
+
+For a layer with input `a` and output gradient `g` (recorded by `bookkeeping`), each rule
+pair answers the two questions of the method (Bu et al. 2023), as fastDP's
+`supported_layers_grad_samplers.py` table does:
+
+- `norms_sq`: each example's squared gradient norm over the layer's trained parameters,
+  by whichever is cheaper (mixed ghost clipping, `conv_norms_sq` says how it decides): the
+  ghost norm `sum_ts (a_t . a_s)(g_t . g_s)` (T^2 (d + p) per example for T positions, d
+  inputs, p outputs) or the per-example gradient `g^T a` (T d p), freed as soon as its norm is
+  taken unless it is small enough to keep for the sum (`Settings.keep`). A Linear layer on
+  flat inputs has the exact product `|g| |a|`; GroupNorm/LayerNorm per-example gradients are
+  one value per channel.
+- `clipped_sum`: `sum_i c_i g_i^T a_i` as one weight-gradient kernel on the clip-weighted
+  output gradients (a matrix product for Linear, `convolution_backward` for Conv2d), so that
+  per-example gradients are never stored for the whole model.
+
+A module is clipped by its table entry only where its class keeps the base class' forward
+(`closed_form`): timm's LayerNorm2d normalises over channels with a forward of its own, a
+padded Conv2d subclass pads differently; those go to torch.func (`functional`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dpadapter.per_sample import conv
+from dpadapter.per_sample.buffers import Workspace
+
+
+@dataclass
+class LayerRecord:
+    """One layer's forward input and output gradient for the current physical batch."""
+
+    module: nn.Module
+    a: torch.Tensor
+    params: dict[str, nn.Parameter] = field(default_factory=dict)  # "weight"/"bias" -> trained
+    g: torch.Tensor | None = None
+    strategy: str = ""  # how its norms were computed: exact, ghost, per-example(-im2col)
+    kept: dict[int, torch.Tensor] = field(default_factory=dict)  # per-example grads for the sum
+
+    @property
+    def n(self) -> int:
+        return self.a.shape[0]
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What the wrapping module chose for every layer's norms."""
+
+    keep: int  # per-example gradients of a layer up to this many elements are kept for the sum
+    strategy: str  # auto (the cheaper), ghost or per-example
+    workspace: Workspace  # the buffer pool (`buffers`)
+
+
+def keep(rec: LayerRecord, p: torch.Tensor, grads: torch.Tensor, limit: int) -> torch.Tensor:
+    """Squared norms of per-example gradients `grads`; kept for the sum if small enough."""
+    if grads.numel() <= limit:
+        rec.kept[id(p)] = grads
+    return grads.reshape(grads.shape[0], -1).pow(2).sum(1)
+
+
+def ghost(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """|g_i^T a_i|_F^2 for a (n, T, d), g (n, p, T) via T x T Gram matrices (Li et al. 2022)."""
+    return (torch.bmm(a, a.transpose(1, 2)) * torch.bmm(g.transpose(1, 2), g)).sum(dim=(1, 2))
+
+
+# --- Linear (any leading dimensions) ---------------------------------------------------------
+def linear_norms_sq(rec: LayerRecord, w, b, s: Settings) -> list[torch.Tensor]:
+    a, g = rec.a, rec.g
+    assert g is not None
+    n = g.shape[0]
+    parts: list[torch.Tensor] = []
+    if a.dim() == 2:  # one position: |g_i^T a_i| = |g_i| |a_i|
+        rec.strategy = "exact"
+        g2 = g.pow(2).sum(1)
+        if w is not None:
+            parts.append(g2 * a.pow(2).sum(1))
+        if b is not None:
+            parts.append(g2)
+        return parts
+    a3, g3 = a.reshape(n, -1, a.shape[-1]), g.reshape(n, -1, g.shape[-1])
+    t, d, p = a3.shape[1], a3.shape[2], g3.shape[2]
+    if w is not None:
+        if s.strategy == "ghost" or (s.strategy == "auto" and t * (d + p) < d * p):
+            rec.strategy = "ghost"
+            parts.append(ghost(a3, g3.transpose(1, 2)))
+        else:
+            rec.strategy = "per-example"
+            grads = torch.bmm(g3.transpose(1, 2), a3)  # (n, p, d)
+            parts.append(keep(rec, w, grads, s.keep))
+    if b is not None:
+        parts.append(keep(rec, b, g3.sum(1), s.keep))
+    return parts
+
+
+def linear_sum(module: nn.Module, name: str, p, a: torch.Tensor, gw: torch.Tensor):
+    g2 = gw.reshape(-1, gw.shape[-1])
+    return g2.t() @ a.reshape(-1, a.shape[-1]) if name == "weight" else g2.sum(0)
+
+
+# --- Conv2d (zeros padding, any groups, stride, dilation) ------------------------------------
+def conv_norms_sq(rec: LayerRecord, w, b, s: Settings) -> list[torch.Tensor]:
+    parts: list[torch.Tensor] = []
+    if w is not None:
+        parts.append(conv_weight_norms_sq(rec.module, rec, w, s))  # type: ignore[arg-type]
+    if b is not None:
+        assert rec.g is not None
+        parts.append(keep(rec, b, rec.g.sum(dim=(2, 3)), s.keep))
+    return parts
+
+
+def conv_weight_norms_sq(
+    module: nn.Conv2d, rec: LayerRecord, w: torch.Tensor, s: Settings
+) -> torch.Tensor:
+    """A Conv2d weight's per-example norms: ghost norm or per-example gradients, the cheaper.
+
+    With T output positions, d = Cin/G*kh*kw inputs and p = Cout/G outputs per group, the ghost
+    norm costs T^2 (d + p) and the per-example gradient T d p per example and group. The ghost
+    norm is taken (groups 1 only) when it is cheaper by that count with a factor 1.5 in its
+    favour: its two Gram products are large matrix products, whereas the per-example gradients
+    come from a grouped convolution (one group per example and conv group) that writes n d p
+    values, which on this CPU ran 4x below its FLOP rate where T is small and the channels many
+    (ResNet20's 64-channel 8x8 convolutions: 44 ms grouped vs 14-25 ms ghost at batch 256;
+    the embedded CNN's 16->32 7x7 one: 0.8 ms grouped vs 1.8 ms ghost; /tmp measurements
+    recorded in docs/speed.md). The rule is a heuristic from these CPU figures.
+    """
+    a, g = rec.a, rec.g
+    assert g is not None
+    n, c_in = a.shape[:2]
+    c_out, t = g.shape[1], g.shape[2] * g.shape[3]
+    groups = module.groups
+    d = c_in // groups * module.kernel_size[0] * module.kernel_size[1]
+    p = c_out // groups
+    cheaper = t * (d + p) < 1.5 * d * p
+    if groups == 1 and (s.strategy == "ghost" or (s.strategy == "auto" and cheaper)):
+        rec.strategy = "ghost"
+        return ghost(conv.patches(module, a, s.workspace), g.reshape(n, c_out, t))
+    if groups == 1 and c_in <= conv.IM2COL_MAX_IN_CHANNELS:
+        rec.strategy = "per-example-im2col"
+        grads = conv.per_example_im2col(module, a, g, s.workspace)
+    else:
+        rec.strategy = "per-example"
+        grads = conv.per_example_grouped(module, a, g, w)
+    return keep(rec, w, grads, s.keep)
+
+
+def conv_sum(module: nn.Module, name: str, p, a: torch.Tensor, gw: torch.Tensor):
+    if name == "weight":
+        return conv.weight_grad(module, gw, a, p, module.groups)  # type: ignore[arg-type]
+    return gw.sum(dim=(0, 2, 3))
+
+
+# --- GroupNorm, LayerNorm (per-example gradients: one value per channel) ---------------------
+def norm_layer_grads(module: nn.Module, a: torch.Tensor, g: torch.Tensor):
+    """Per-example (weight, bias) gradients of GroupNorm (n, C) / LayerNorm (n, *shape)."""
+    if isinstance(module, nn.GroupNorm):
+        xhat = F.group_norm(a, module.num_groups, eps=module.eps)
+        dims = tuple(range(2, a.dim()))
+        return (xhat * g).sum(dim=dims), g.sum(dim=dims)
+    assert isinstance(module, nn.LayerNorm)
+    xhat = F.layer_norm(a, module.normalized_shape, eps=module.eps)
+    lead = tuple(range(1, a.dim() - len(module.normalized_shape)))
+    if not lead:
+        return xhat * g, g
+    return (xhat * g).sum(dim=lead), g.sum(dim=lead)
+
+
+def norm_layer_norms_sq(rec: LayerRecord, w, b, s: Settings) -> list[torch.Tensor]:
+    assert rec.g is not None
+    rec.strategy = "per-example"
+    gw, gb = norm_layer_grads(rec.module, rec.a, rec.g)
+    parts: list[torch.Tensor] = []
+    if w is not None:
+        parts.append(keep(rec, w, gw, s.keep))
+    if b is not None:
+        parts.append(keep(rec, b, gb, s.keep))
+    return parts
+
+
+def norm_layer_sum(module: nn.Module, name: str, p, a: torch.Tensor, gw: torch.Tensor):
+    gwt, gbt = norm_layer_grads(module, a, gw)
+    return (gwt if name == "weight" else gbt).sum(0)
+
+
+# --- the table ---------------------------------------------------------------------------------
+class LayerRule(NamedTuple):
+    # (record, weight or None, bias or None, settings) -> squared norms (n,), weight's first
+    norms_sq: Callable[..., list[torch.Tensor]]
+    # (module, "weight"/"bias", parameter, input a, clip-weighted output gradient) -> the sum
+    clipped_sum: Callable[..., torch.Tensor]
+
+
+RULES: dict[type[nn.Module], LayerRule] = {
+    nn.Linear: LayerRule(linear_norms_sq, linear_sum),
+    nn.Conv2d: LayerRule(conv_norms_sq, conv_sum),
+    nn.GroupNorm: LayerRule(norm_layer_norms_sq, norm_layer_sum),
+    nn.LayerNorm: LayerRule(norm_layer_norms_sq, norm_layer_sum),
+}
+SUPPORTED_LAYERS: tuple[type[nn.Module], ...] = tuple(RULES)
+
+
+def rule_for(m: nn.Module) -> LayerRule | None:
+    """`m`'s entry in the table, if its class keeps that entry's own forward (`closed_form`)."""
+    base = next((t for t in RULES if isinstance(m, t)), None)
+    if base is None or type(m).forward is not base.forward:
+        return None
+    if isinstance(m, nn.Conv2d) and (m.padding_mode != "zeros" or isinstance(m.padding, str)):
+        return None
+    return RULES[base]
+
+
+def closed_form(m: nn.Module) -> bool:
+    """Whether bk's closed forms fit `m`: a supported class with that class' own forward."""
+    return rule_for(m) is not None
+
+
+def layer_norms_sq(rec: LayerRecord, wanted: set[int], s: Settings) -> torch.Tensor:
+    """Squared per-example gradient norm of one layer's wanted trained parameters (n,)."""
+    rule = rule_for(rec.module)
+    assert rule is not None and rec.g is not None
+    w, b = rec.params.get("weight"), rec.params.get("bias")
+    rec.kept = {}
+    parts = rule.norms_sq(
+        rec,
+        w if w is not None and id(w) in wanted else None,
+        b if b is not None and id(b) in wanted else None,
+        s,
+    )
+    total = parts[0]
+    for part in parts[1:]:
+        total = total + part
+    return total
+
+
+def layer_sums(
+    rec: LayerRecord, weights: torch.Tensor, wanted: set[int]
+) -> dict[int, torch.Tensor]:
+    """Weighted sums of one layer's per-example gradients (weights: clip factor x loss scale)."""
+    rule = rule_for(rec.module)
+    a, g = rec.a, rec.g
+    assert rule is not None and g is not None
+    out: dict[int, torch.Tensor] = {}
+    for name, p in rec.params.items():
+        if id(p) not in wanted:
+            continue
+        kept = rec.kept.get(id(p))
+        if kept is not None:
+            out[id(p)] = torch.tensordot(weights.to(kept.dtype), kept, dims=1)
+            continue
+        gw = g * weights.reshape(-1, *([1] * (g.dim() - 1))).to(g.dtype)
+        out[id(p)] = rule.clipped_sum(rec.module, name, p, a, gw)
+    return out

@@ -1,0 +1,61 @@
+"""The DP optimizer's clip is chosen when it is built (`optimizers.optimizer_class`, as
+Opacus' `get_optimizer_class`), never by swapping the class of a live optimizer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from noiseless import dp_sgd  # tests/ is on sys.path
+from opacus.optimizers import DPOptimizer
+from torch import nn
+
+from dpadapter.algorithms.adpclip import CentredAdaClipOptimizer
+from dpadapter.algorithms.gep import GEPOptimizer
+from dpadapter.per_sample import optimizer_class, wrap_for_dp
+from dpadapter.per_sample.optimizers import BookKeepingClip, FP32Clip
+from dpadapter.per_sample.rules import RULES, SUPPORTED_LAYERS, closed_form
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+
+
+@pytest.mark.parametrize("mode, clip", [("bk", BookKeepingClip), ("ew", FP32Clip)])
+@pytest.mark.parametrize("base", [DPOptimizer, CentredAdaClipOptimizer, GEPOptimizer])
+def test_the_class_is_the_algorithms_behind_the_modes_clip(mode, clip, base):
+    wrapped = wrap_for_dp(_model(), mode)
+    cls = optimizer_class(base, wrapped)
+    assert issubclass(cls, base) and issubclass(cls, clip)
+    assert cls.__mro__[1] is clip  # the mode's clip_and_accumulate comes first
+    assert optimizer_class(base, wrapped) is cls  # made once per pair
+    with pytest.raises(TypeError, match="already has its clip"):
+        optimizer_class(cls, wrapped)
+
+
+@pytest.mark.parametrize("mode", ["bk", "hooks"])
+def test_a_built_optimizer_keeps_its_class_through_a_step(mode):
+    wrapped = wrap_for_dp(_model(), mode)
+    opt = dp_sgd(wrapped, 0.1, 4, lr=0.1)
+    cls = type(opt)
+    assert cls is optimizer_class(DPOptimizer, wrapped)
+    assert "clip_and_accumulate" not in vars(opt)  # no method bound on the instance
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(4, 6, generator=g), torch.randint(0, 3, (4,), generator=g)
+    nn.functional.cross_entropy(wrapped(x), y).backward()
+    opt.step()
+    assert type(opt) is cls
+    assert all(p.grad is not None for p in wrapped.parameters())
+
+
+def test_the_rules_table_covers_the_supported_layers():
+    assert SUPPORTED_LAYERS == tuple(RULES) == (nn.Linear, nn.Conv2d, nn.GroupNorm, nn.LayerNorm)
+    assert all(callable(r.norms_sq) and callable(r.clipped_sum) for r in RULES.values())
+
+    class OwnForward(nn.Linear):
+        def forward(self, x):
+            return super().forward(x) * 2
+
+    assert closed_form(nn.Linear(2, 2)) and not closed_form(OwnForward(2, 2))
+    assert not closed_form(nn.Conv2d(1, 1, 3, padding="same"))
+    assert not closed_form(nn.Conv2d(1, 1, 3, padding=1, padding_mode="reflect"))
