@@ -34,7 +34,13 @@ LAYERS: dict[str, int] = {
     "dpadapter.stats": 0,
     "dpadapter.tables": 0,
     "dpadapter.identity": 0,
-    "dpadapter.tracking": 0,
+    "dpadapter.tracking": 0,  # the names a job uses, re-exported from the rooms below
+    "dpadapter.tracking.naming": 0,
+    "dpadapter.tracking.store": 0,
+    "dpadapter.tracking.lifecycle": 0,
+    "dpadapter.tracking.run": 0,
+    "dpadapter.tracking.ui": 0,
+    "dpadapter.tracking.__main__": 0,
     "dpadapter.job": 0,
     "dpadapter.plots": 0,
     "dpadapter.dvc_sync": 0,
@@ -183,6 +189,22 @@ def test_privacy_imports_no_training_code():
         if not t.startswith("dpadapter.privacy") and layer(t) > 0
     )
     assert bad == []
+
+
+# Inside tracking, each room imports only the rooms listed before it (`ui` is `make mlflow`'s).
+TRACKING_ORDER = ("naming", "store", "lifecycle", "run", "ui")
+
+
+def test_tracking_rooms_import_only_the_rooms_before_them():
+    order = {f"dpadapter.tracking.{r}": i for i, r in enumerate(TRACKING_ORDER)}
+    bad = sorted(
+        f"{m} imports {t}"
+        for m, ts in GRAPH.items()
+        if m in order
+        for t in ts
+        if t.startswith("dpadapter.tracking") and order.get(t, len(order)) >= order[m]
+    )
+    assert set(order) <= set(GRAPH) and bad == []
 
 
 def test_no_import_cycle():
