@@ -41,6 +41,7 @@ LAYERS: dict[str, int] = {
     "dpadapter.fingerprint": 0,
     "dpadapter.problems": 0,
     "dpadapter.reruns": 0,
+    "dpadapter.snakemake_adapter": 0,
     "dpadapter.privacy": 1,
     "dpadapter.models": 1,
     "dpadapter.data": 1,
