@@ -134,6 +134,26 @@ def out_dir(wildcards, output):
     return str(Path(output[0]).parent)
 
 
+# What every job rule shares, from here: `conda: PIPELINE_ENV` (its env under `--sdm conda`),
+# `params: **JOB_PARAMS` (the plumbing above) and `resources: **cpu_job(...)` / `**gpu_job(...)`.
+# A rule's own params and its shell command stay in the rule: a changed params value or command
+# would rerun every finished job of the rule (Snakemake's rerun triggers).
+PIPELINE_ENV = "../../envs/pipeline.yaml"  # relative to the rule files, as Snakemake reads it
+JOB_PARAMS = {"python": python_exe, "config": config_file}
+
+
+def cpu_job(mem_mb=1000, runtime=10):
+    """Resources of a job without a GPU: MB of memory, minutes of wall time (Slurm's limits;
+    the Slurm profile's `set-resources` may raise them)."""
+    return {"gpu": 0, "mem_mb": mem_mb, "runtime": runtime}
+
+
+def gpu_job(mem_mb, runtime):
+    """Resources of a job that trains on one GPU (the Slurm profile sends it to a GPU
+    partition: tests/cluster/test_slurm_profile.py)."""
+    return {"gpu": 1, "mem_mb": mem_mb, "runtime": runtime}
+
+
 # Inputs of the rules, kept here (the linter wants no functions in rule files). Their `fp`
 # params, the rerun triggers, come from dpadapter.fingerprint.stage_fingerprint.
 
