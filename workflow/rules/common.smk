@@ -134,10 +134,13 @@ def out_dir(wildcards, output):
     return str(Path(output[0]).parent)
 
 
-# What every job rule shares, from here: `conda: PIPELINE_ENV` (its env under `--sdm conda`),
-# `params: **JOB_PARAMS` (the plumbing above) and `resources: **cpu_job(...)` / `**gpu_job(...)`.
-# A rule's own params and its shell command stay in the rule: a changed params value or command
-# would rerun every finished job of the rule (Snakemake's rerun triggers).
+# The lines every job's rule shares come from here (`snakemake --lint` reads this file as text,
+# so no colon follows the word "rule" on one line):
+#   conda      PIPELINE_ENV, its env under `--sdm conda`
+#   params     **JOB_PARAMS, the plumbing above, then the rule's own
+#   resources  **cpu_job(...) or **gpu_job(...)
+# A rule's own params and its shell command stay in its file, unchanged: a changed params value
+# or command would rerun every finished job of the rule (Snakemake's rerun triggers).
 PIPELINE_ENV = "../../envs/pipeline.yaml"  # relative to the rule files, as Snakemake reads it
 JOB_PARAMS = {"python": python_exe, "config": config_file}
 
