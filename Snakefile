@@ -10,13 +10,19 @@
 #   audit     empirical privacy audit, one canary run per algorithm x eps (`snakemake audit`)
 #   report    every table and figure that exists, as pages of the Snakemake report (`make report`)
 
+from dpadapter import snakemake_adapter as _smk
+
+# The few Snakemake internals the workflow reads all go through dpadapter.snakemake_adapter,
+# which stops here, saying what to do, under a Snakemake it was not checked on.
+_smk.check_version()
+
 # The front page of `snakemake --report` (make report).
 report: "workflow/report/workflow.rst"
 
 
 # --configfile REPLACES the embedded default instead of being merged into it (Snakemake would
 # otherwise merge the two task tables and run both grids).
-if not workflow.overwrite_configfiles:
+if not _smk.replaces_default_config(workflow):
 
     configfile: "config.yaml"
 

@@ -45,6 +45,7 @@ FILE_SECONDS = {
     "tests/federated/test_rule_validity.py": 7,
     "tests/bench/test_gpu_smoke.py": 7,
     "tests/privacy/test_accounting.py": 7,
+    "tests/test_snakemake_adapter.py": 7,  # three real snakemake runs of a two-rule workflow
     "tests/hpo/test_hpo_workflow.py": 6,
     "tests/per_sample/test_precision.py": 6,
     "tests/per_sample/test_bookkeeping.py": 5,

@@ -40,13 +40,14 @@ LAYERS: dict[str, int] = {
     "dpadapter.stats": 0,
     "dpadapter.tables": 0,
     "dpadapter.identity": 0,
-    "dpadapter.tracking": 0,
+    "dpadapter.tracking": 0,  # its rooms too, in the order of TRACKING_ORDER below
     "dpadapter.job": 0,
     "dpadapter.plots": 0,
     "dpadapter.dvc_sync": 0,
     "dpadapter.fingerprint": 0,
     "dpadapter.problems": 0,
     "dpadapter.reruns": 0,
+    "dpadapter.snakemake_adapter": 0,
     "dpadapter.privacy": 1,
     "dpadapter.models": 1,
     "dpadapter.data": 1,
@@ -270,6 +271,27 @@ def test_validation_composes_every_features_checks():
     assert owned - GRAPH["dpadapter.validation"] == set()
 
 
+# Inside tracking, each room imports only the rooms listed before it (`ui` is `make mlflow`'s),
+# and none imports the package itself (its __init__ re-exports the rooms).
+TRACKING_ORDER = ("naming", "store", "lifecycle", "run", "ui")
+
+
+def tracking_climbs(graph: dict[str, set[str]]) -> list[str]:
+    order = {f"dpadapter.tracking.{r}": i for i, r in enumerate(TRACKING_ORDER)}
+    return sorted(
+        f"{m} imports {t}"
+        for m, ts in graph.items()
+        if m in order
+        for t in ts
+        if t.startswith("dpadapter.tracking") and order.get(t, len(order)) >= order[m]
+    )
+
+
+def test_tracking_rooms_import_only_the_rooms_before_them():
+    assert {f"dpadapter.tracking.{r}" for r in TRACKING_ORDER} <= set(GRAPH)
+    assert tracking_climbs(GRAPH) == []
+
+
 def test_no_import_cycle():
     assert cycles(GRAPH) == []
 
@@ -283,6 +305,8 @@ def test_no_import_cycle():
           "dpadapter.models.factory": {"dpadapter.data.tasks"}}, cycles),
         ({"dpadapter.hpo.checks": {"dpadapter.federated.checks"}}, foreign_checks),
         ({"dpadapter.audit.stage": {"dpadapter.data.checks"}}, foreign_checks),
+        ({"dpadapter.tracking.run": {"dpadapter.tracking.ui"}}, tracking_climbs),
+        ({"dpadapter.tracking.store": {"dpadapter.tracking"}}, tracking_climbs),
     ],
 )  # fmt: skip
 def test_the_checks_find_a_planted_violation(planted, check):

@@ -304,7 +304,7 @@ def test_an_unreachable_server_is_skipped_under_auto_and_refused_under_true(
 ):
     uri = _closed_port_uri()
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
-    monkeypatch.setattr(tracking, "PROBE_TIMEOUT_S", 2.0)
+    monkeypatch.setattr(tracking.store, "PROBE_TIMEOUT_S", 2.0)
     pretrain.run(tiny_cfg, "scratch", tmp_path / "pre", None)
     finetune.run(
         tiny_cfg, "scratch", "syn-shift", "dpsgd", 2.0, 0, tmp_path / "pre" / "model.pt",

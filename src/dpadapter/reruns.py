@@ -7,7 +7,7 @@ the runs table showed the same job twice with nothing to say which result is on 
 in a slot that already has runs is numbered (`... #2`, tag `dpadapter.attempt`), names the run
 it replaces (`dpadapter.replaces`), and each earlier run of the slot is marked: its name ends in
 `(replaced)` and `dpadapter.replaced_by` names the new run. A resumed run (the same attempt
-continued) is not a rerun and is left as it is (`dpadapter.tracking._open`).
+continued) is not a rerun and is left as it is (`dpadapter.tracking.lifecycle.open_run`).
 """
 
 from __future__ import annotations

@@ -44,13 +44,14 @@ def test_profile_settings():
 
 
 def _gpu_rules() -> set[str]:
-    """Rules whose `resources:` in workflow/rules/*.smk ask for a GPU."""
+    """Rules whose `resources:` in workflow/rules/*.smk ask for a GPU (`**gpu_job(...)`, the
+    helper of common.smk, or a `gpu=` of their own)."""
     found, rule = set(), None
     for smk in sorted((REPO / "workflow" / "rules").glob("*.smk")):
         for line in smk.read_text().splitlines():
             if m := re.match(r"^(?:rule|checkpoint) (\w+):", line):
                 rule = m.group(1)
-            elif rule and re.match(r"^\s+gpu\s*=\s*[1-9]", line):
+            elif rule and re.match(r"^\s+(?:gpu\s*=\s*[1-9]|\*\*gpu_job\()", line):
                 found.add(rule)
     return found
 

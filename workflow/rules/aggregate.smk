@@ -12,16 +12,13 @@ rule aggregate:
         csv=f"{RESULTS}/summary/finetune.csv",
         md=f"{RESULTS}/summary/finetune.md",
     params:
-        python=python_exe,
-        config=config_file,
+        **JOB_PARAMS,
     log:
         f"{RESULTS}/logs/aggregate.log",
     conda:
-        "../../envs/pipeline.yaml"
+        PIPELINE_ENV
     resources:
-        gpu=0,
-        mem_mb=1000,
-        runtime=10,
+        **cpu_job(),
     shell:
         "{params.python} -m dpadapter --config {params.config} aggregate --metrics {input.finetune} "
         "--pretrain {input.pretrain} --csv {output.csv} --md {output.md} > {log} 2>&1"
@@ -41,18 +38,15 @@ rule figures:
         report_figure(f"{RESULTS}/figures/robustness_vs_accuracy.png", "robustness_vs_accuracy", "upstream"),
         f"{RESULTS}/figures/robustness_vs_accuracy.csv",
     params:
-        python=python_exe,
-        config=config_file,
+        **JOB_PARAMS,
         out=out_dir,
         about=report_about("finetune", "upstream"),
     log:
         f"{RESULTS}/logs/figures.log",
     conda:
-        "../../envs/pipeline.yaml"
+        PIPELINE_ENV
     resources:
-        gpu=0,
-        mem_mb=1000,
-        runtime=10,
+        **cpu_job(),
     shell:
         "{params.python} -m dpadapter --config {params.config} figures --finetune-csv {input.csv} "
         "--pretrain {input.pretrain} --out {params.out} > {log} 2>&1"
@@ -71,16 +65,13 @@ rule reference:
         csv=f"{RESULTS}/summary/reference.csv",
         md=f"{RESULTS}/summary/reference.md",
     params:
-        python=python_exe,
-        config=config_file,
+        **JOB_PARAMS,
     log:
         f"{RESULTS}/logs/reference.log",
     conda:
-        "../../envs/pipeline.yaml"
+        PIPELINE_ENV
     resources:
-        gpu=0,
-        mem_mb=1000,
-        runtime=10,
+        **cpu_job(),
     shell:
         "{params.python} -m dpadapter --config {params.config} reference --finetune-csv {input.csv} "
         "--csv {output.csv} --md {output.md} > {log} 2>&1"

@@ -13,21 +13,18 @@ rule audit_run:
     output:
         record=f"{RESULTS}/audit/{{algo}}/eps{{eps}}/audit.json",
     params:
+        **JOB_PARAMS,
         fp=lambda wc: stage_fingerprint(config, "audit", wc),
-        python=python_exe,
-        config=config_file,
         out=lambda wc, output: str(Path(output.record).parent),
     log:
         f"{RESULTS}/logs/audit/{{algo}}/eps{{eps}}.log",
     benchmark:
         f"{RESULTS}/benchmarks/audit/{{algo}}/eps{{eps}}.tsv"
     conda:
-        "../../envs/pipeline.yaml"
+        PIPELINE_ENV
     threads: 1
     resources:
-        gpu=0,  # a logistic regression: the CPU is faster than a transfer
-        mem_mb=2000,
-        runtime=30,
+        **cpu_job(mem_mb=2000, runtime=30),  # a logistic regression: the CPU is faster than a transfer
     shell:
         "DPADAPTER_THREADS={threads} {params.python} -m dpadapter --config {params.config} "
         "audit run --algo {wildcards.algo} --eps {wildcards.eps} --out {params.out} > {log} 2>&1"
@@ -42,17 +39,14 @@ rule audit_summary:
         md=f"{RESULTS}/summary/audit.md",
         fig=report_figure(f"{RESULTS}/figures/audit_lower_bound.png", "audit_lower_bound", "audit"),
     params:
-        python=python_exe,
-        config=config_file,
+        **JOB_PARAMS,
         about=report_about("audit"),
     log:
         f"{RESULTS}/logs/audit_summary.log",
     conda:
-        "../../envs/pipeline.yaml"
+        PIPELINE_ENV
     resources:
-        gpu=0,
-        mem_mb=1000,
-        runtime=10,
+        **cpu_job(),
     shell:
         "{params.python} -m dpadapter --config {params.config} audit summary "
         "--records {input} --csv {output.csv} --md {output.md} --fig {output.fig} > {log} 2>&1"

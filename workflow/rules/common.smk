@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 from snakemake.exceptions import WorkflowError
-from snakemake.settings.types import DeploymentMethod
 
 from dpadapter import atomic as _atomic
 from dpadapter import settings as _config
@@ -16,6 +15,7 @@ from dpadapter import dvc_sync as _dvc_sync
 from dpadapter import identity as _identity
 from dpadapter import prefork as _prefork
 from dpadapter import sections as _sections
+from dpadapter import snakemake_adapter as _smk
 from dpadapter import tracking as _tracking
 from dpadapter import validation as _validation
 from dpadapter.fingerprint import stage_fingerprint
@@ -38,15 +38,16 @@ logging.root.handlers.clear()
 # The optional sections (hpo, federated, sweeps, audit) never stop `make run`: their problems are
 # said once as a warning (`section_warning`) and stop only their own targets, through
 # `section_guard` in an input of each target rule (dpadapter.sections).
-_OVERRIDES = dict(workflow.config_settings.config)
+# What this file reads from Snakemake beyond its public interface comes through _smk
+# (dpadapter.snakemake_adapter), which refuses a Snakemake it was not checked on.
+_OVERRIDES = _smk.config_overrides(workflow)
+_CONFIG_FILES = _smk.config_files(workflow)
 try:
-    if any(_config.uses_base(f) for f in workflow.configfiles):
-        _merged = _config.read_files(workflow.configfiles, _OVERRIDES)
+    if any(_config.uses_base(f) for f in _CONFIG_FILES):
+        _merged = _config.read_files(_CONFIG_FILES, _OVERRIDES)
         config.clear()
         config.update(_merged)
-    CFG, DEFERRED = _sections.validate_scoped(
-        config, workflow.configfiles, _OVERRIDES, check_files=True
-    )
+    CFG, DEFERRED = _sections.validate_scoped(config, _CONFIG_FILES, _OVERRIDES, check_files=True)
 except _validation.ConfigError as exc:
     raise SystemExit(str(exc)) from None
 _WARNED = []
@@ -55,7 +56,7 @@ _WARNED = []
 def section_warning(wildcards):
     """An input function of `all` and `report_all`: the sections they do not need but that have
     problems, said once (the targets are not known while the workflow is parsed)."""
-    if DEFERRED and not _WARNED and workflow.is_main_process:
+    if DEFERRED and not _WARNED and _smk.is_main_process(workflow):
         _WARNED.append(True)
         print(_sections.warning(DEFERRED), file=sys.stderr)
     return []
@@ -93,16 +94,8 @@ if _IDENTITY_WARNING:
 # `dvc pull` restores files with times in no particular order; outputs that are exactly what
 # dvc.lock records are put back into build order before Snakemake compares times
 # (dpadapter.dvc_sync). A no-op outside a DVC project and inside `dvc repro`.
-if workflow.is_main_process:
+if _smk.is_main_process(workflow):
     _dvc_sync.restore_build_order(RESULTS)
-
-
-def _finished_outputs():
-    """Outputs of every job of the finished run (all built or up to date); none after
-    --until/--omit-from, which leave jobs below them outdated."""
-    if workflow.dag_settings.until or workflow.dag_settings.omit_from:
-        return []
-    return [str(f) for job in workflow.dag.jobs for f in job.output]
 
 
 _CONFIG_TEXT = json.dumps(config, sort_keys=True, default=str)
@@ -113,16 +106,12 @@ CONFIG_FILE = str(
 
 
 def _write_config_file():
-    """Write CONFIG_FILE when a job really runs: a dry run (`-n`) writes nothing anywhere.
-
-    Called from `config_file`, which Snakemake evaluates for each job to run (the parse step
-    cannot tell a dry run; `workflow.dryrun` is known by then). Atomic, as jobs on a cluster
-    may write it at once.
-    """
+    """Write CONFIG_FILE when jobs really run: from onstart, which Snakemake never calls in a dry
+    run (`-n` writes nothing anywhere), before any job starts. Atomic, as another run of the
+    same config may write it at once."""
     path = Path(CONFIG_FILE)
-    if workflow.dryrun or path.exists():
-        return
-    _atomic.write_text(path, _CONFIG_TEXT)
+    if not path.exists():
+        _atomic.write_text(path, _CONFIG_TEXT)
 
 
 # Plumbing every shell command needs, passed as params (the linter wants no globals in shell
@@ -131,19 +120,41 @@ def _write_config_file():
 # changes with any config section, while what a job depends on is its `fp` param.
 def python_exe(wildcards, input):
     """The driver's interpreter (the .venv); under `--sdm conda`, that of the job's env."""
-    if DeploymentMethod.CONDA in workflow.deployment_settings.deployment_method:
+    if _smk.uses_conda(workflow):
         return "python"
     return PYTHON
 
 
 def config_file(wildcards, input):
-    _write_config_file()
     return CONFIG_FILE
 
 
 def out_dir(wildcards, output):
     """The folder of a job's first output (the `--out` of every training stage)."""
     return str(Path(output[0]).parent)
+
+
+# The lines every job's rule shares come from here (`snakemake --lint` reads this file as text,
+# so no colon follows the word "rule" on one line):
+#   conda      PIPELINE_ENV, its env under `--sdm conda`
+#   params     **JOB_PARAMS, the plumbing above, then the rule's own
+#   resources  **cpu_job(...) or **gpu_job(...)
+# A rule's own params and its shell command stay in its file, unchanged: a changed params value
+# or command would rerun every finished job of the rule (Snakemake's rerun triggers).
+PIPELINE_ENV = "../../envs/pipeline.yaml"  # relative to the rule files, as Snakemake reads it
+JOB_PARAMS = {"python": python_exe, "config": config_file}
+
+
+def cpu_job(mem_mb=1000, runtime=10):
+    """Resources of a job without a GPU: MB of memory, minutes of wall time (Slurm's limits;
+    the Slurm profile's `set-resources` may raise them)."""
+    return {"gpu": 0, "mem_mb": mem_mb, "runtime": runtime}
+
+
+def gpu_job(mem_mb, runtime):
+    """Resources of a job that trains on one GPU (the Slurm profile sends it to a GPU
+    partition: tests/cluster/test_slurm_profile.py)."""
+    return {"gpu": 1, "mem_mb": mem_mb, "runtime": runtime}
 
 
 # Inputs of the rules, kept here (the linter wants no functions in rule files). Their `fp`
@@ -183,37 +194,29 @@ wildcard_constraints:
 
 onstart:
     _identity.before_run(CFG)
+    _write_config_file()
     # The effective config (bases merged, --config applied) beside the results it produced.
-    _config.write_merged(config, RESULTS, workflow.configfiles)
+    _config.write_merged(config, RESULTS, _CONFIG_FILES)
     # `tracking.enabled: true` without a working MLflow stops here, before any job.
     _tracking.check(CFG)
     # A local run's jobs start from one process that has imported torch, Opacus and MLflow
     # (dpadapter.prefork; DPADAPTER_PREFORK=0 turns it off); a cluster's jobs start their own.
     # Not for a run of a few jobs: they start while the server imports, so it would import for
     # nothing.
-    _local = workflow.local_exec and not workflow.remote_exec
     if (
-        _local
-        and DeploymentMethod.CONDA not in workflow.deployment_settings.deployment_method
-        and _jobs_to_run() >= _prefork.MIN_JOBS
+        _smk.runs_jobs_locally(workflow)
+        and not _smk.uses_conda(workflow)
+        and _smk.jobs_to_run(workflow, unknown=_prefork.MIN_JOBS) >= _prefork.MIN_JOBS
     ):
         _socket = _prefork.start(PYTHON, f"{RESULTS}/logs/prefork.log")
         if _socket:
             os.environ[_prefork.ENV] = _socket
 
 
-def _jobs_to_run() -> int:
-    """How many jobs this run will start (Snakemake's DAG; if its API moves, assume many)."""
-    try:
-        return sum(1 for _ in workflow.dag.needrun_jobs())
-    except Exception:
-        return _prefork.MIN_JOBS
-
-
 # Record what a successful run built in dvc.lock, so `dvc push` uploads it (dpadapter.dvc_sync).
 onsuccess:
     _prefork.stop(os.environ.pop(_prefork.ENV, None))
-    _dvc_sync.commit(RESULTS, _finished_outputs())
+    _dvc_sync.commit(RESULTS, _smk.finished_outputs(workflow))
 
 
 onerror:

@@ -20,21 +20,18 @@ rule federated_run:
         mechanism="gaussian|laplace",
         rounds="[0-9]+",
     params:
+        **JOB_PARAMS,
         fp=lambda wc: stage_fingerprint(config, "federated", wc),
-        python=python_exe,
-        config=config_file,
         out=lambda wc, output: str(Path(output.metrics).parent),
     log:
         f"{RESULTS}/logs/federated/{{upstream}}/{{strategy}}/{{mechanism}}/eps{{eps}}/T{{rounds}}/seed{{seed}}.log",
     benchmark:
         f"{RESULTS}/benchmarks/federated/{{upstream}}/{{strategy}}/{{mechanism}}/eps{{eps}}/T{{rounds}}/seed{{seed}}.tsv"
     conda:
-        "../../envs/pipeline.yaml"
+        PIPELINE_ENV
     threads: 1
     resources:
-        gpu=0,  # the simulation runs on the CPU
-        mem_mb=2000,
-        runtime=60,
+        **cpu_job(mem_mb=2000, runtime=60),  # the simulation runs on the CPU
     shell:
         "DPADAPTER_THREADS={threads} {params.python} -m dpadapter --config {params.config} "
         "federated run --upstream {wildcards.upstream} --strategy {wildcards.strategy} "
@@ -53,17 +50,14 @@ rule federated_summary:
         rounds=report_figure(f"{RESULTS}/figures/federated_accuracy_vs_rounds.png", "federated_accuracy_vs_rounds", "federated"),
         md=f"{RESULTS}/summary/federated.md",
     params:
-        python=python_exe,
-        config=config_file,
+        **JOB_PARAMS,
         about=report_about("federated"),
     log:
         f"{RESULTS}/logs/federated_summary.log",
     conda:
-        "../../envs/pipeline.yaml"
+        PIPELINE_ENV
     resources:
-        gpu=0,
-        mem_mb=1000,
-        runtime=10,
+        **cpu_job(),
     shell:
         "{params.python} -m dpadapter --config {params.config} federated summary "
         "--metrics {input} --csv {output.csv} --rule {output.rule} --fig-eps {output.eps} "

@@ -6,21 +6,18 @@ rule finetune:
         metrics=f"{RESULTS}/finetune/{{upstream}}/{{task}}/{{algo}}/eps{{eps}}/seed{{seed}}/metrics.json",
         model=f"{RESULTS}/finetune/{{upstream}}/{{task}}/{{algo}}/eps{{eps}}/seed{{seed}}/model.pt",
     params:
+        **JOB_PARAMS,
         fp=lambda wc: stage_fingerprint(config, "finetune", wc, FP_VERSION),
-        python=python_exe,
-        config=config_file,
         out=lambda wc, output: str(Path(output.metrics).parent),
     log:
         f"{RESULTS}/logs/finetune/{{upstream}}/{{task}}/{{algo}}/eps{{eps}}/seed{{seed}}.log",
     benchmark:
         f"{RESULTS}/benchmarks/finetune/{{upstream}}/{{task}}/{{algo}}/eps{{eps}}/seed{{seed}}.tsv"
     conda:
-        "../../envs/pipeline.yaml"
+        PIPELINE_ENV
     threads: 1
     resources:
-        gpu=1,
-        mem_mb=4000,
-        runtime=120,
+        **gpu_job(mem_mb=4000, runtime=120),
     shell:
         "DPADAPTER_THREADS={threads} {params.python} -m dpadapter --config {params.config} finetune "
         "--upstream {wildcards.upstream} --task {wildcards.task} --algo {wildcards.algo} "

@@ -30,18 +30,15 @@ rule hpo_plan:
     output:
         plan=f"{HPO_DIR}/plan.json",
     params:
-        python=python_exe,
-        config=config_file,
+        **JOB_PARAMS,
         fp=lambda wc: stage_fingerprint(config, "hpo", wc),
     log:
         f"{HPO_LOG}/plan.log",
     threads: 1
     conda:
-        "../../envs/pipeline.yaml"
+        PIPELINE_ENV
     resources:
-        gpu=0,
-        mem_mb=2000,
-        runtime=30,
+        **cpu_job(mem_mb=2000, runtime=30),
     shell:
         "DPADAPTER_THREADS={threads} {params.python} -m dpadapter --config {params.config} hpo plan "
         "--upstream {wildcards.upstream} --task {wildcards.task} --algo {wildcards.algo} "
@@ -59,8 +56,7 @@ rule hpo_trial:
     output:
         metrics=f"{HPO_DIR}/trials/s{{sweep}}/t{{trial}}/metrics.json",
     params:
-        python=python_exe,
-        config=config_file,
+        **JOB_PARAMS,
         out=lambda wc, output: str(Path(output.metrics).parent),
     log:
         f"{HPO_LOG}/trials/s{{sweep}}/t{{trial}}.log",
@@ -68,11 +64,9 @@ rule hpo_trial:
         f"{HPO_BENCH}/trials/s{{sweep}}/t{{trial}}.tsv"
     threads: 1
     conda:
-        "../../envs/pipeline.yaml"
+        PIPELINE_ENV
     resources:
-        gpu=1,
-        mem_mb=4000,
-        runtime=60,
+        **gpu_job(mem_mb=4000, runtime=60),
     shell:
         "DPADAPTER_THREADS={threads} {params.python} -m dpadapter --config {params.config} hpo trial "
         "--plan {input.plan} --sweep {wildcards.sweep} --trial {wildcards.trial} "
@@ -89,16 +83,13 @@ rule hpo_sweep:
     output:
         sweep=f"{HPO_DIR}/sweep{{sweep}}.json",
     params:
-        python=python_exe,
-        config=config_file,
+        **JOB_PARAMS,
     log:
         f"{HPO_LOG}/sweep{{sweep}}.log",
     conda:
-        "../../envs/pipeline.yaml"
+        PIPELINE_ENV
     resources:
-        gpu=0,
-        mem_mb=1000,
-        runtime=5,
+        **cpu_job(runtime=5),
     shell:
         "{params.python} -m dpadapter --config {params.config} hpo sweep --plan {input.plan} "
         "--sweep {wildcards.sweep} --trials {input.trials} --out {output.sweep} > {log} 2>&1"
@@ -112,16 +103,13 @@ rule hpo_fit:
     output:
         fit=f"{HPO_DIR}/fit.json",
     params:
-        python=python_exe,
-        config=config_file,
+        **JOB_PARAMS,
     log:
         f"{HPO_LOG}/fit.log",
     conda:
-        "../../envs/pipeline.yaml"
+        PIPELINE_ENV
     resources:
-        gpu=0,
-        mem_mb=1000,
-        runtime=5,
+        **cpu_job(runtime=5),
     shell:
         "{params.python} -m dpadapter --config {params.config} hpo fit --plan {input.plan} "
         "--sweeps {input.sweeps} --out {output.fit} > {log} 2>&1"
@@ -139,8 +127,7 @@ rule hpo_final:
         metrics=f"{HPO_DIR}/linear_scaling/metrics.json",
         model=f"{HPO_DIR}/linear_scaling/model.pt",
     params:
-        python=python_exe,
-        config=config_file,
+        **JOB_PARAMS,
         out=lambda wc, output: str(Path(output.metrics).parent),
     log:
         f"{HPO_LOG}/final.log",
@@ -148,11 +135,9 @@ rule hpo_final:
         f"{HPO_BENCH}/final.tsv"
     threads: 1
     conda:
-        "../../envs/pipeline.yaml"
+        PIPELINE_ENV
     resources:
-        gpu=1,
-        mem_mb=4000,
-        runtime=60,
+        **gpu_job(mem_mb=4000, runtime=60),
     shell:
         "DPADAPTER_THREADS={threads} {params.python} -m dpadapter --config {params.config} hpo final "
         "--plan {input.plan} --fit {input.fit} --sweeps {input.sweeps} --trials {input.trials} "
@@ -168,8 +153,7 @@ rule random_search:
         metrics=f"{HPO_DIR}/random_search/metrics.json",
         model=f"{HPO_DIR}/random_search/model.pt",
     params:
-        python=python_exe,
-        config=config_file,
+        **JOB_PARAMS,
         out=lambda wc, output: str(Path(output.metrics).parent),
     log:
         f"{HPO_LOG}/random_search.log",
@@ -177,11 +161,9 @@ rule random_search:
         f"{HPO_BENCH}/random_search.tsv"
     threads: 1
     conda:
-        "../../envs/pipeline.yaml"
+        PIPELINE_ENV
     resources:
-        gpu=1,
-        mem_mb=4000,
-        runtime=60,
+        **gpu_job(mem_mb=4000, runtime=60),
     shell:
         "DPADAPTER_THREADS={threads} {params.python} -m dpadapter --config {params.config} hpo "
         "random-search --plan {input.plan} --ckpt {input.ckpt} --out {params.out} > {log} 2>&1"
@@ -197,8 +179,7 @@ rule grid_run:
     output:
         metrics=f"{HPO_GRID_DIR}/grid/p{{point}}/metrics.json",
     params:
-        python=python_exe,
-        config=config_file,
+        **JOB_PARAMS,
         out=lambda wc, output: str(Path(output.metrics).parent),
     log:
         f"{RESULTS}/logs/hpo/{{upstream}}/{{task}}/{{algo}}/grid/p{{point}}.log",
@@ -206,11 +187,9 @@ rule grid_run:
         f"{RESULTS}/benchmarks/hpo/{{upstream}}/{{task}}/{{algo}}/grid/p{{point}}.tsv"
     threads: 1
     conda:
-        "../../envs/pipeline.yaml"
+        PIPELINE_ENV
     resources:
-        gpu=1,
-        mem_mb=4000,
-        runtime=60,
+        **gpu_job(mem_mb=4000, runtime=60),
     shell:
         "DPADAPTER_THREADS={threads} {params.python} -m dpadapter --config {params.config} hpo grid-run "
         "--plan {input.plan} --point {wildcards.point} --ckpt {input.ckpt} --out {params.out} "
@@ -225,16 +204,13 @@ rule grid_oracle:
     output:
         oracle=f"{HPO_GRID_DIR}/grid_oracle.json",
     params:
-        python=python_exe,
-        config=config_file,
+        **JOB_PARAMS,
     log:
         f"{RESULTS}/logs/hpo/{{upstream}}/{{task}}/{{algo}}/grid_oracle.log",
     conda:
-        "../../envs/pipeline.yaml"
+        PIPELINE_ENV
     resources:
-        gpu=0,
-        mem_mb=1000,
-        runtime=5,
+        **cpu_job(runtime=5),
     shell:
         "{params.python} -m dpadapter --config {params.config} hpo grid-oracle --plan {input.plan} "
         "--runs {input.runs} --out {output.oracle} > {log} 2>&1"
@@ -250,16 +226,13 @@ rule hpo_summary:
         csv=f"{RESULTS}/summary/hpo.csv",
         md=f"{RESULTS}/summary/hpo.md",
     params:
-        python=python_exe,
-        config=config_file,
+        **JOB_PARAMS,
     log:
         f"{RESULTS}/logs/hpo/summary.log",
     conda:
-        "../../envs/pipeline.yaml"
+        PIPELINE_ENV
     resources:
-        gpu=0,
-        mem_mb=1000,
-        runtime=5,
+        **cpu_job(runtime=5),
     shell:
         "{params.python} -m dpadapter --config {params.config} hpo summary --final {input.final} "
         "--random {input.random} --oracle {input.oracle} --csv {output.csv} --md {output.md} "

@@ -21,18 +21,15 @@ rule hpo_features:
     output:
         features=f"{PROBE_DIR}/features.pt",
     params:
-        python=python_exe,
-        config=config_file,
+        **JOB_PARAMS,
         fp=lambda wc: stage_fingerprint(config, "hpo-probe", wc),
     log:
         f"{PROBE_LOG}/features.log",
     threads: 1
     conda:
-        "../../envs/pipeline.yaml"
+        PIPELINE_ENV
     resources:
-        gpu=0,
-        mem_mb=4000,
-        runtime=30,
+        **cpu_job(mem_mb=4000, runtime=30),
     shell:
         "DPADAPTER_THREADS={threads} {params.python} -m dpadapter --config {params.config} hpo "
         "features --task {wildcards.task} --ckpt {input.ckpt} --out {output.features} > {log} 2>&1"
@@ -45,18 +42,15 @@ rule hpo_probe_oracle:
     output:
         oracle=f"{PROBE_DIR}/oracle.json",
     params:
-        python=python_exe,
-        config=config_file,
+        **JOB_PARAMS,
         fp=lambda wc: stage_fingerprint(config, "hpo-probe", wc),
     log:
         f"{PROBE_LOG}/oracle.log",
     threads: 1
     conda:
-        "../../envs/pipeline.yaml"
+        PIPELINE_ENV
     resources:
-        gpu=0,
-        mem_mb=4000,
-        runtime=60,
+        **cpu_job(mem_mb=4000, runtime=60),
     shell:
         "DPADAPTER_THREADS={threads} {params.python} -m dpadapter --config {params.config} hpo "
         "probe-oracle --features {input.features} --out {output.oracle} > {log} 2>&1"
@@ -69,18 +63,15 @@ rule hpo_probe_seed:
     output:
         run=f"{PROBE_DIR}/seed{{seed}}.json",
     params:
-        python=python_exe,
-        config=config_file,
+        **JOB_PARAMS,
         fp=lambda wc: stage_fingerprint(config, "hpo-probe", wc),
     log:
         f"{PROBE_LOG}/seed{{seed}}.log",
     threads: 1
     conda:
-        "../../envs/pipeline.yaml"
+        PIPELINE_ENV
     resources:
-        gpu=0,
-        mem_mb=4000,
-        runtime=30,
+        **cpu_job(mem_mb=4000, runtime=30),
     shell:
         "DPADAPTER_THREADS={threads} {params.python} -m dpadapter --config {params.config} hpo "
         "probe-seed --features {input.features} --seed {wildcards.seed} --out {output.run} "
@@ -97,16 +88,13 @@ rule hpo_probe_summary:
         md=f"{RESULTS}/summary/hpo.md",
         json=f"{RESULTS}/summary/hpo.json",
     params:
-        python=python_exe,
-        config=config_file,
+        **JOB_PARAMS,
     log:
         f"{RESULTS}/logs/hpo-probe/summary.log",
     conda:
-        "../../envs/pipeline.yaml"
+        PIPELINE_ENV
     resources:
-        gpu=0,
-        mem_mb=1000,
-        runtime=5,
+        **cpu_job(runtime=5),
     shell:
         "{params.python} -m dpadapter --config {params.config} hpo probe-summary "
         "--oracle {input.oracle} --seeds {input.seeds} --csv {output.csv} --md {output.md} "

@@ -6,9 +6,8 @@ rule pretrain:
         model=f"{RESULTS}/pretrain/{{upstream}}/model.pt",
         metrics=f"{RESULTS}/pretrain/{{upstream}}/metrics.json",
     params:
+        **JOB_PARAMS,
         fp=lambda wc: stage_fingerprint(config, "pretrain", wc),
-        python=python_exe,
-        config=config_file,
         out=out_dir,
         warmup=lambda wc, input: f"--warmup {input.warmup}" if "warmup" in input.keys() else "",
     log:
@@ -16,12 +15,10 @@ rule pretrain:
     benchmark:
         f"{RESULTS}/benchmarks/pretrain/{{upstream}}.tsv"
     conda:
-        "../../envs/pipeline.yaml"
+        PIPELINE_ENV
     threads: workflow.cores
     resources:
-        gpu=1,
-        mem_mb=8000,
-        runtime=720,
+        **gpu_job(mem_mb=8000, runtime=720),
     shell:
         "DPADAPTER_THREADS={threads} {params.python} -m dpadapter --config {params.config} "
         "pretrain --method {wildcards.upstream} {params.warmup} "

@@ -48,8 +48,7 @@ for _page, (_section, _sub, _title, _kind, _inputs, _pre) in REPORT_PAGES.items(
                 subcategory=_sub,
             ),
         params:
-            python=python_exe,
-            config=config_file,
+            **JOB_PARAMS,
             kind=_kind,
             title=_title,
             section=_section,
@@ -58,11 +57,9 @@ for _page, (_section, _sub, _title, _kind, _inputs, _pre) in REPORT_PAGES.items(
         log:
             f"{RESULTS}/logs/report/{_page}.log",
         conda:
-            "../../envs/pipeline.yaml"
+            PIPELINE_ENV
         resources:
-            gpu=0,
-            mem_mb=1000,
-            runtime=5,
+            **cpu_job(runtime=5),
         shell:
             "{params.python} -m dpadapter --config {params.config} report-page --kind {params.kind} "
             "--inputs {input.inputs} --pretrain {input.pretrain} --title {params.title:q} "

@@ -16,7 +16,7 @@ REPORT_SECTIONS = {
     "validity": "6. Validity",
     "speed": "7. Speed",
 }
-REPORT_CONFIGS = ", ".join(str(f) for f in workflow.configfiles) or "config.yaml"
+REPORT_CONFIGS = ", ".join(_CONFIG_FILES) or "config.yaml"
 
 
 def report_about(*sections):

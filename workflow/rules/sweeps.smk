@@ -25,18 +25,15 @@ rule sweeps:
         report_figure(f"{RESULTS}/figures/sam_vs_dpadapter.png", "sam_vs_dpadapter", "sweeps"),
         f"{RESULTS}/figures/sam_vs_dpadapter.csv",
     params:
-        python=python_exe,
-        config=config_file,
+        **JOB_PARAMS,
         out=out_dir,
         about=report_about("sweeps"),
     log:
         f"{RESULTS}/logs/sweeps.log",
     conda:
-        "../../envs/pipeline.yaml"
+        PIPELINE_ENV
     resources:
-        gpu=0,
-        mem_mb=1000,
-        runtime=10,
+        **cpu_job(),
     shell:
         "{params.python} -m dpadapter --config {params.config} sweep-figures "
         "--pretrain {input.pretrain} --finetune {input.finetune} --out {params.out} > {log} 2>&1"

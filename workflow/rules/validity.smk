@@ -13,16 +13,13 @@ rule validity:
     output:
         md=f"{RESULTS}/summary/validity.md",
     params:
-        python=python_exe,
-        config=config_file,
+        **JOB_PARAMS,
     log:
         f"{RESULTS}/logs/validity.log",
     conda:
-        "../../envs/pipeline.yaml"
+        PIPELINE_ENV
     resources:
-        gpu=0,
-        mem_mb=1000,
-        runtime=5,
+        **cpu_job(runtime=5),
     shell:
         "{params.python} -m dpadapter --config {params.config} validity --hpo {input.hpo} "
         "--federated-rule {input.rule} --finetune {input.finetune} --out {output.md} > {log} 2>&1"
