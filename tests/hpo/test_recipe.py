@@ -1,0 +1,111 @@
+"""The default recipe comes from the proxy search, and the search is a procedure, not a table.
+
+- config.yaml's finetune section holds what configs/recipe/chosen.yaml chose;
+- the search, run on a tiny config with checkpoints made here, scores and picks as documented,
+  and a second run (no cache) writes the same file;
+- it refuses a proxy that is in the grids (private data) before training anything.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from dpadapter.hpo import recipe
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_config_yaml_holds_the_chosen_recipe():
+    chosen = yaml.safe_load((REPO / "configs/recipe/chosen.yaml").read_text())["chosen"]
+    ft = yaml.safe_load((REPO / "config.yaml").read_text())["finetune"]
+    assert {k: ft[k] for k in recipe.KEYS} == chosen
+    search = recipe.Search.load(REPO / "configs/recipe/search.yaml")
+    assert chosen in search.candidates()
+    cfg = yaml.safe_load((REPO / "config.yaml").read_text())
+    proxy = cfg["tasks"][search.proxy_task]
+    assert proxy["grids"] is False and proxy["classes"] == cfg["public"]["classes"]
+    # shaped as the private tasks: the same sampling rate for the same batch size
+    assert {t["n_train"] for n, t in cfg["tasks"].items() if t.get("grids", True)} == {
+        proxy["n_train"]
+    }
+
+
+def test_score_prefers_agreeing_seeds():
+    rows = lambda accs: [  # noqa: E731
+        {"upstream": "u", "epsilon_target": 1.0, "val_accuracy": a} for a in accs
+    ]
+    steady, noisy = recipe.score(rows([0.80, 0.80, 0.80])), recipe.score(rows([0.70, 0.84, 0.92]))
+    assert steady["score"] == pytest.approx(80.0)
+    assert noisy["cells"]["u/eps1"]["mean"] == pytest.approx(82.0)
+    assert steady["score"] > noisy["score"]  # higher mean, but 11 points of seed spread
+
+
+def _setup(tmp_path: Path, tiny_raw: dict, grids: bool = False) -> tuple[Path, Path]:
+    from dpadapter.config import from_dict
+    from dpadapter.models import create_model
+    from dpadapter.train.checkpoint import save_model
+
+    raw = dict(tiny_raw)
+    raw["public"] = {**raw["public"], "n_train": 600}
+    proxy = {
+        **raw["tasks"]["syn-same"],
+        "n_train": 100,
+        "n_val": 60,
+        "n_test": 40,
+        "test_split": "train",
+    }
+    raw["tasks"] = {**raw["tasks"], "syn-proxy": {**proxy, "grids": grids}}
+    cfg_path = tmp_path / "config.yaml"
+    cfg_path.write_text(yaml.safe_dump(raw))
+    cfg = from_dict(raw)
+    for i, up in enumerate(["scratch", "standard"]):
+        model = create_model(cfg.model, 5, 1, seed=i)
+        save_model(recipe.checkpoint_path(cfg, up), model, cfg.model, 5, 1, {})
+    search = tmp_path / "search.yaml"
+    search.write_text(
+        yaml.safe_dump(
+            {
+                "proxy_task": "syn-proxy",
+                "upstreams": ["scratch", "standard"],
+                "epsilons": [2],
+                "seeds": [0, 1],
+                "space": {
+                    "batch_size": [50],
+                    "epochs": [1],
+                    "lr": [0.001, 1.0],
+                    "momentum": [0.9],
+                    "max_grad_norm": [1.0],
+                },
+            }
+        )
+    )
+    return cfg_path, search
+
+
+def test_search_picks_by_score_and_reruns_to_the_same_file(tmp_path, tiny_raw, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg_path, search = _setup(tmp_path, tiny_raw)
+    outs = []
+    for i in range(2):
+        out = tmp_path / f"chosen{i}.yaml"
+        args = ["--config", str(cfg_path), "--search", str(search), "--out", str(out)]
+        assert (
+            recipe.main([*args, "--cache", str(tmp_path / f"runs{i}.jsonl"), "--workers", "1"]) == 0
+        )
+        outs.append(out.read_text())
+    assert outs[0] == outs[1]
+    got = yaml.safe_load(outs[0])
+    by_score = max(got["candidates"], key=lambda c: c["score"])
+    assert got["chosen"] == by_score["recipe"]
+    assert got["chosen"]["lr"] == 1.0  # lr 0.001 barely moves a fresh head in one epoch
+    assert set(got["candidates"][0]["cells"]) == {"scratch/eps2", "standard/eps2"}
+
+
+def test_search_refuses_a_proxy_in_the_grids(tmp_path, tiny_raw, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg_path, search = _setup(tmp_path, tiny_raw, grids=True)
+    with pytest.raises(ValueError, match="grids: false"):
+        recipe.main(["--config", str(cfg_path), "--search", str(search), "--workers", "1"])
