@@ -44,8 +44,8 @@ def test_score_prefers_agreeing_seeds():
 
 
 def _setup(tmp_path: Path, tiny_raw: dict, grids: bool = False) -> tuple[Path, Path]:
-    from dpadapter.config import from_dict
     from dpadapter.models import create_model
+    from dpadapter.settings import from_dict
     from dpadapter.train.checkpoint import save_model
 
     raw = dict(tiny_raw)

@@ -40,8 +40,8 @@ from typing import Any
 
 import yaml
 
-from dpadapter.config import Config
-from dpadapter.config import load as load_config
+from dpadapter.settings import Config
+from dpadapter.settings import load as load_config
 
 KEYS = ("batch_size", "epochs", "lr", "momentum", "max_grad_norm")
 
