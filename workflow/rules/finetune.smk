@@ -6,7 +6,7 @@ rule finetune:
         metrics=f"{RESULTS}/finetune/{{upstream}}/{{task}}/{{algo}}/eps{{eps}}/seed{{seed}}/metrics.json",
         model=f"{RESULTS}/finetune/{{upstream}}/{{task}}/{{algo}}/eps{{eps}}/seed{{seed}}/model.pt",
     params:
-        fp=lambda wc: stage_fingerprint(config, "finetune", wc, FP_VERSION),
+        fp=lambda wc: stage_fingerprint(config, "finetune", wc, FP_VERSION, FP_PINS),
         python=python_exe,
         config=config_file,
         out=lambda wc, output: str(Path(output.metrics).parent),
