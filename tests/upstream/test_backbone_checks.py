@@ -49,3 +49,25 @@ def test_weights_that_do_not_fit_are_refused_briefly(tiny_raw, vit_file, capsys)
     assert "missing from the file (blocks.1." in msg and "with other shapes" in msg
     assert len(msg.splitlines()) < 6 and len(msg) < 1500  # counts and first names only
     assert "  missing: blocks.1." in capsys.readouterr().err  # the full list
+
+
+def test_timm_args_a_model_sets_itself_are_refused_by_name(tiny_raw, tmp_path):
+    """timm's crossvit_18_240 passes its own img_scale, embed_dim, ... and the caller's: Python's
+    `got multiple values` named one argument of a timm internal; the refusal names the key and
+    every argument to leave out, and a model that takes them builds."""
+    args = {"img_size": 32, "img_scale": [1.0, 1.0], "embed_dim": [16, 32], "depth": [[1, 1, 0]]}
+    weights = save_as(source_model("vit"), tmp_path / "cv.pth", "state_dict")
+    params = {"model": "timm:crossvit_18_240", "weights": {"file": str(weights)}, "timm_args": args}
+    msg = problems(with_external(tiny_raw, {"cv": params}))
+    assert "pretrain.external.cv.timm_args: " in msg, msg
+    assert "crossvit_18_240 sets img_scale, embed_dim, depth itself" in msg, msg
+    assert "leave them out (img_size can stay)" in msg, msg
+    import torch
+
+    from dpadapter.config import ModelConfig
+    from dpadapter.models import create_model
+
+    with torch.device("meta"):
+        create_model(ModelConfig("timm:crossvit_9_240"), 10, 3, 0, timm_args=args)
+        with pytest.raises(ValueError, match="crossvit_18_240 sets img_scale, embed_dim, depth"):
+            create_model(ModelConfig("timm:crossvit_18_240"), 10, 3, 0, timm_args=args)
