@@ -51,10 +51,11 @@ def mixed_alternatives(err: Any, where: str) -> str | None:
     only calls "not valid under any of the given schemas"."""
     if err.validator != "oneOf" or not isinstance(err.instance, dict):
         return None
+    alternatives = [a for a in err.validator_value if isinstance(a, dict)]
     keys = [
-        alt["required"][0]
-        for alt in err.validator_value
-        if isinstance(alt, dict) and alt.get("type") == "object" and len(alt.get("required", ())) == 1
+        a["required"][0]
+        for a in alternatives
+        if a.get("type") == "object" and len(a.get("required", ())) == 1
     ]
     given = [k for k in keys if k in err.instance]
     if len(given) < 2:
