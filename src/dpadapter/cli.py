@@ -16,6 +16,7 @@ from dpadapter.config import read_raw
 from dpadapter.federated.cli import add_parsers as add_federated_parsers
 from dpadapter.hpo.cli import add_parsers as add_hpo_parsers
 from dpadapter.sections import stage_sections
+from dpadapter.upstream.checks import only_backbones
 from dpadapter.validation import ConfigError, validate_files
 
 
@@ -82,9 +83,12 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
 
+    # a pretrain or fine-tuning job builds one backbone: the workflow checked the others
+    own = getattr(args, "upstream", None) or getattr(args, "method", None)
     try:  # an optional section a stage does not read never stops it (dpadapter.sections)
         raw = read_raw(args.config)
-        cfg = validate_files(raw, [args.config], sections=stage_sections(args.stage, raw))
+        with only_backbones(None if own is None else [own]):
+            cfg = validate_files(raw, [args.config], sections=stage_sections(args.stage, raw))
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -71,3 +71,19 @@ def test_timm_args_a_model_sets_itself_are_refused_by_name(tiny_raw, tmp_path):
         create_model(ModelConfig("timm:crossvit_9_240"), 10, 3, 0, timm_args=args)
         with pytest.raises(ValueError, match="crossvit_18_240 sets img_scale, embed_dim, depth"):
             create_model(ModelConfig("timm:crossvit_18_240"), 10, 3, 0, timm_args=args)
+
+
+def test_a_job_checks_only_the_backbone_it_builds(tiny_raw, vit_file):
+    """The workflow checks every backbone before any job; a pretrain or fine-tuning job checks
+    its own only (each meta build costs a job about 0.1 s of CPU, for every other upstream)."""
+    from dpadapter.upstream.checks import only_backbones
+
+    bad = params_for("vit", vit_file, input={"size": 28})
+    raw = with_external(tiny_raw, {"vit": params_for("vit", vit_file), "bad": bad})
+    assert "pretrain.external.bad.input.size:" in problems(raw)
+    with only_backbones(["vit"]):
+        validate(raw, check_files=True)
+        with only_backbones(None):
+            assert "pretrain.external.bad.input.size:" in problems(raw)
+    with only_backbones(["bad"]):
+        assert "pretrain.external.bad.input.size:" in problems(raw)
