@@ -52,7 +52,14 @@ def supervise(argv: list[str]) -> None:
     previous = {s: signal.signal(s, forward) for s in FORWARDED}
     sys.stdout.flush()
     sys.stderr.flush()
-    child = os.fork()
+    try:
+        child = os.fork()
+    except OSError:  # no process to spare (a ulimit): the job runs here, unwatched as before
+        for s, h in previous.items():
+            signal.signal(s, h)
+        for signum in passed_on:
+            os.kill(os.getpid(), signum)
+        return
     if child == 0:
         for s, h in previous.items():
             signal.signal(s, h)
