@@ -83,11 +83,12 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
 
-    # a pretrain or fine-tuning job builds one backbone: the workflow checked the others
-    own = getattr(args, "upstream", None) or getattr(args, "method", None)
+    # The workflow checked every backbone before any job; a pretrain job builds its method's
+    # from the config, a fine-tuning job its upstream's from the checkpoint's own record.
+    own = {"pretrain": [getattr(args, "method", "")], "finetune": []}.get(args.stage)
     try:  # an optional section a stage does not read never stops it (dpadapter.sections)
         raw = read_raw(args.config)
-        with only_backbones(None if own is None else [own]):
+        with only_backbones(own):
             cfg = validate_files(raw, [args.config], sections=stage_sections(args.stage, raw))
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -73,9 +73,15 @@ def test_timm_args_a_model_sets_itself_are_refused_by_name(tiny_raw, tmp_path):
             create_model(ModelConfig("timm:crossvit_18_240"), 10, 3, 0, timm_args=args)
 
 
-def test_a_job_checks_only_the_backbone_it_builds(tiny_raw, vit_file):
-    """The workflow checks every backbone before any job; a pretrain or fine-tuning job checks
-    its own only (each meta build costs a job about 0.1 s of CPU, for every other upstream)."""
+def test_a_job_checks_only_the_backbone_it_builds(
+    tiny_raw, vit_file, tmp_path, monkeypatch, capsys
+):
+    """The workflow checks every backbone before any job; a pretrain job checks its own only, a
+    fine-tuning job none (it rebuilds its backbone from the checkpoint's record): each meta build
+    costs a job about 0.1 s of CPU, for every other upstream."""
+    import json
+
+    from dpadapter import cli
     from dpadapter.upstream.checks import only_backbones
 
     bad = params_for("vit", vit_file, input={"size": 28})
@@ -87,3 +93,14 @@ def test_a_job_checks_only_the_backbone_it_builds(tiny_raw, vit_file):
             assert "pretrain.external.bad.input.size:" in problems(raw)
     with only_backbones(["bad"]):
         assert "pretrain.external.bad.input.size:" in problems(raw)
+    cfg = tmp_path / "c.json"
+    cfg.write_text(json.dumps(raw))
+    ran = []
+    monkeypatch.setattr(cli, "_dispatch", lambda args, c: ran.append(args.stage))
+    ft = ["finetune", "--upstream", "bad", "--task", "syn-same", "--algo", "dpsgd", "--eps", "1"]
+    ft += ["--seed", "0", "--ckpt", "m.pt", "--out", "o"]
+    for argv, rc in ((["pretrain", "--method", "vit", "--out", "o"], 0), (ft, 0),
+                     (["pretrain", "--method", "bad", "--out", "o"], 2)):  # fmt: skip
+        assert cli.main(["--config", str(cfg), *argv]) == rc, capsys.readouterr().err
+    assert ran == ["pretrain", "finetune"]
+    assert "pretrain.external.bad.input.size:" in capsys.readouterr().err
