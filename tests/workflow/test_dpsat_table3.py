@@ -148,7 +148,8 @@ def test_figures_tables_and_report_from_finished_metrics(workdir):
 
 @pytest.mark.slow
 def test_the_config_runs_to_its_report_on_one_seed(tmp_path):
-    """All 32 jobs of one seed, cheaply (about a minute of CPU, from two before): untracked
+    """All 32 jobs of one seed, cheaply (62 s of CPU, all processes, on a loaded 2-core machine;
+    127 s as `make run` + `make report` with tracking and 3 draws): untracked
     (MLflow costs each job a store round trip), one robustness draw, and the pretrain jobs (a
     rule of `workflow.cores` threads) at the fork server's one thread, so that they are forked
     from it rather than each importing torch and timm."""
