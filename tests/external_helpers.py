@@ -59,8 +59,9 @@ def build(tiny_cfg, params: dict):
 
 
 # Tiny stand-ins for DP-SAT Table 3's backbones (configs/dpsat-table3.yaml): the same timm
-# families at a few thousand weights, RGB 32x32. timm's crossvit_18_240 takes no keyword
-# arguments (it passes its own twice), so its label gets crossvit_9_240 at this size.
+# families at a few thousand weights, RGB 32x32. timm's crossvit_18_240 sets its architecture
+# arguments itself and cannot be shrunk (refused by name: models.factory.with_timm_args), so its
+# label gets crossvit_9_240 at this size.
 _CROSSVIT = {
     "img_size": 32,
     "img_scale": [1.0, 1.0],

@@ -23,7 +23,9 @@ FILE_SECONDS = {
     "tests/workflow/test_snakemake.py": 78,
     "tests/cluster/test_dvc.py": 59,
     "tests/cluster/test_mlflow_load.py": 49,
-    "tests/workflow/test_dpsat_table3.py": 40,  # measured alone (issue 36)
+    "tests/workflow/test_dpsat_table3.py": 100,  # alone, loaded; the whole run since h36
+    "tests/test_supervise.py": 36,  # alone, loaded (h36)
+    "tests/workflow/test_carry_over.py": 26,  # alone, loaded (h36)
     "tests/test_tracking.py": 37,
     "tests/bench/test_gpu_table2.py": 33,
     "tests/workflow/test_experiments.py": 31,

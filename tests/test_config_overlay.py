@@ -291,3 +291,29 @@ def test_algo_params_for_overrides_per_upstream_and_task():
     bad["finetune"]["algo_params_for"].pop()
     with pytest.raises(ConfigError, match=r"algo_params_for\.0\.tasks"):
         validate(bad)
+
+
+def test_an_overlay_swapping_a_hub_source_for_a_file_is_told_to_unset_it(in_tmp):
+    """An overlay's `weights: {file}` merges with the base's `{hub: true}`; jsonschema says only
+    "not valid under any of the given schemas". The message names the key, both sources, and
+    the `unset:` to write; written, the overlay validates."""
+    base = "base: ../configs/dpsat-table3.yaml\nresults_dir: results/b\n"
+    top = "base: base.yaml\npretrain:\n  external:\n    vit-s: {weights: {file: w/vit.pth}}\n"
+    (in_tmp / "configs").mkdir()
+    for name in ("dpsat-table3.yaml",):
+        (in_tmp / "configs" / name).write_text((REPO / "configs" / name).read_text())
+    (in_tmp / "configs" / "base.yaml").write_text(base)
+    (in_tmp / "configs" / "top.yaml").write_text(top)
+    with pytest.raises(ConfigError) as info:
+        load("configs/top.yaml")
+    msg = str(info.value)
+    assert (
+        "configs/top.yaml:4: pretrain.external.vit-s.weights: one of file, hub, torchvision, "
+        "not file and hub together" in msg
+    ), msg
+    assert "`unset: [pretrain.external.vit-s.weights]`" in msg and "{file: w/vit.pth}" in msg
+    fixed = top.replace(
+        "base: base.yaml\n", "base: base.yaml\nunset: [pretrain.external.vit-s.weights]\n"
+    )
+    (in_tmp / "configs" / "top.yaml").write_text(fixed)
+    assert load("configs/top.yaml").external_upstreams["vit-s"]["weights"] == {"file": "w/vit.pth"}

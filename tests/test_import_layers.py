@@ -64,6 +64,7 @@ LAYERS: dict[str, int] = {
     "dpadapter.cli": 6,
     "dpadapter.__main__": 6,
     "dpadapter.prefork": 6,
+    "dpadapter.supervise": 6,
     "dpadapter.validation": 6,
     "dpadapter.sections": 6,
 }

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from proc_helpers import children as _children
 from tiny_config import TINY_RAW
 
 from dpadapter import prefork
@@ -74,19 +75,6 @@ def _forked_child(log: Path, out: Path, job: subprocess.Popen) -> int:
         time.sleep(0.05)
     line = [x for x in log.read_text().splitlines() if f"--out {out}" in x][-1]
     return int(line.split("pid ")[1].split(":")[0])
-
-
-def _children(pid: int) -> list[int]:
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                out.append(int(entry))
-    return out
 
 
 def test_a_training_stage_gives_the_same_files_both_ways(server, tmp_path):

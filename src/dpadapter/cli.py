@@ -16,6 +16,7 @@ from dpadapter.federated.cli import add_parsers as add_federated_parsers
 from dpadapter.hpo.cli import add_parsers as add_hpo_parsers
 from dpadapter.sections import stage_sections
 from dpadapter.settings import read_raw
+from dpadapter.upstream.checks import only_backbones
 from dpadapter.validation import ConfigError, validate_files
 
 
@@ -82,9 +83,13 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
 
+    # The workflow checked every backbone before any job; a pretrain job builds its method's
+    # from the config, a fine-tuning job its upstream's from the checkpoint's own record.
+    own = {"pretrain": [getattr(args, "method", "")], "finetune": []}.get(args.stage)
     try:  # an optional section a stage does not read never stops it (dpadapter.sections)
         raw = read_raw(args.config)
-        cfg = validate_files(raw, [args.config], sections=stage_sections(args.stage, raw))
+        with only_backbones(own):
+            cfg = validate_files(raw, [args.config], sections=stage_sections(args.stage, raw))
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

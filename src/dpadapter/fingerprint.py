@@ -158,8 +158,12 @@ _FINETUNE = without("finetune", FINETUNE_GRID)
 # Version 2 (results folders begun by this code, dpadapter.identity.fingerprint_version): a
 # fine-tuning job's trigger leaves out `finetune.upstreams` too, so adding an upstream runs only
 # the new jobs. Version 1 folders keep the list in it: their finished jobs were built with it,
-# and Snakemake would rerun every one of them if the value changed.
+# and Snakemake would rerun every one of them if the value changed. So a version 1 folder's
+# triggers read the list it was built with (`pins`, dpadapter.identity.fingerprint_pins), not
+# the config's: its finished jobs are carried over, and a grown list adds jobs, as in version 2.
 CURRENT_VERSION = 2
+# The pinned key of a version 1 folder, as `pins` names it (absent from `pins`: no such key).
+PINNED_UPSTREAMS = "finetune.upstreams"
 _AUDIT = without("audit", AUDIT_GRID)
 _FEDERATED = without("federated", FEDERATED_GRID, nested=FEDERATED_MECHANISM_GRID)
 
@@ -204,17 +208,32 @@ def _json(value: Any) -> str:
     return json.dumps(value, sort_keys=True, default=str)
 
 
+def _pinned(config: Mapping[str, Any], pins: Mapping[str, Any]) -> dict[str, Any]:
+    """`config` with `finetune.upstreams` as pinned (left out where the pin says it was unset)."""
+    ft = {k: v for k, v in config.get("finetune", {}).items() if k != "upstreams"}
+    if PINNED_UPSTREAMS in pins:
+        ft["upstreams"] = pins[PINNED_UPSTREAMS]
+    return {**config, "finetune": ft}
+
+
 def stage_fingerprint(
-    config: Mapping[str, Any], stage: str, wildcards: Any = None, version: int = 1
+    config: Mapping[str, Any],
+    stage: str,
+    wildcards: Any = None,
+    version: int = 1,
+    pins: Mapping[str, Any] | None = None,
 ) -> str:
     """The `fp` param of a `stage` job: it changes exactly when config the job reads changes.
 
     `wildcards`: the job's (Snakemake's Wildcards or a dict); stages whose parts read none
-    (warmup) take None. `version`: the results folder's (`CURRENT_VERSION` for a new one).
+    (warmup) take None. `version`: the results folder's (`CURRENT_VERSION` for a new one);
+    `pins`: a version 1 folder's `finetune.upstreams` as its jobs were built (None: the config's).
     """
     spec = STAGES[stage]
     if version >= 2 and stage == "finetune":
         spec = _FINETUNE_V2
+    elif stage == "finetune" and pins is not None:
+        config = _pinned(config, pins)
     whole = _json({k: config.get(k) for k in spec.sections})
     out = hashlib.sha256(whole.encode()).hexdigest()[:16]
     for chunk in spec.parts:

@@ -221,6 +221,33 @@ def fingerprint_version(cfg: Config) -> int:
     return 1 if finetune.is_dir() and any(finetune.rglob("metrics.json")) else CURRENT_VERSION
 
 
+# What a version 1 folder's fine-tuning triggers read instead of the config (`fingerprint_pins`).
+PINS_KEY = "fingerprint_pins"
+
+
+def fingerprint_pins(cfg: Config) -> dict[str, Any] | None:
+    """For a version 1 folder, the `finetune.upstreams` its finished jobs were built with
+    (dpadapter.fingerprint.PINNED_UPSTREAMS; {} when it was unset), else None.
+
+    Version 1 triggers hold the list, so the config's own list would rerun every finished job
+    as soon as an upstream is added. The list is pinned when code that knows about pins first
+    sees the folder: from its identity, which holds the config of its last run (an empty list
+    there is the key unset: the effective config fills no default in), or, for a folder older
+    than identities, from this config. `record` keeps it from then on."""
+    from dpadapter.fingerprint import PINNED_UPSTREAMS
+
+    if fingerprint_version(cfg) >= 2:
+        return None
+    stored = read(cfg.results_dir)
+    if stored is not None and PINS_KEY in stored:
+        return dict(stored[PINS_KEY])
+    if stored is not None:
+        built = stored.get("sections", {}).get("finetune", {}).get("upstreams")
+    else:
+        built = list(cfg.finetune.upstreams)
+    return {PINNED_UPSTREAMS: list(built)} if built else {}
+
+
 def overwrite_allowed() -> bool:
     return os.environ.get(OVERWRITE_ENV, "").strip().lower() in {"1", "true", "yes"}
 
@@ -233,7 +260,9 @@ def record(cfg: Config) -> Path:
     previous = list(stored.get("previous", []))
     if stored.get("hash") and stored["hash"] != h:
         previous.append({"hash": stored["hash"], "written": stored.get("written")})
+    pins = fingerprint_pins(cfg)  # before this write, as the version
     payload = {
+        **({PINS_KEY: pins} if pins is not None else {}),
         "fingerprints": fingerprint_version(cfg),  # before this write: a new folder's is current
         "hash": h,
         "written": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

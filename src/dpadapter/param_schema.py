@@ -43,6 +43,33 @@ def nullable(schema: dict[str, Any]) -> dict[str, Any]:
     return {**schema, "type": [*types, "null"]}
 
 
+def mixed_alternatives(err: Any, where: str) -> str | None:
+    """For a `oneOf` of mappings told apart by their required key (an external upstream's
+    `weights: {file}` / `{hub}` / `{torchvision}`), a value holding several of those keys:
+    which, and what to write. The usual cause is an overlay: its mapping is merged into the
+    base's, so a base's `{hub: true}` and an overlay's `{file: x}` become both, which jsonschema
+    only calls "not valid under any of the given schemas"."""
+    if err.validator != "oneOf" or not isinstance(err.instance, dict):
+        return None
+    alternatives = [a for a in err.validator_value if isinstance(a, dict)]
+    keys = [
+        a["required"][0]
+        for a in alternatives
+        if a.get("type") == "object" and len(a.get("required", ())) == 1
+    ]
+    given = [k for k in keys if k in err.instance]
+    if len(given) < 2:
+        return None
+    # the merged mapping lists the base's keys first: the last one is most likely the overlay's
+    kept = [k for k in err.instance if k in given][-1]
+    return (
+        f"{where}: one of {', '.join(keys)}, not {' and '.join(given)} together. An overlay's "
+        f"`{where.rsplit('.', 1)[-1]}:` is merged into its base's: to replace the base's, write "
+        f"`unset: [{where}]` in the overlay beside its own value "
+        f"(`{where.rsplit('.', 1)[-1]}: {{{kept}: {err.instance[kept]}}}`)"
+    )
+
+
 def param_errors(schema: dict[str, Any], params: Any, where: str) -> list[str]:
     """Every problem of `params` against `schema`, each naming the full key (`where.<param>`)."""
     import jsonschema
@@ -60,5 +87,6 @@ def param_errors(schema: dict[str, Any], params: Any, where: str) -> list[str]:
         if err.validator == "additionalProperties" and not err.absolute_path:
             continue  # reported above with the known names
         path = ".".join(str(p) for p in err.absolute_path)
-        out.append(f"{where}.{path}: {err.message}" if path else f"{where}: {err.message}")
+        at = f"{where}.{path}" if path else where
+        out.append(mixed_alternatives(err, at) or f"{at}: {err.message}")
     return out

@@ -51,7 +51,7 @@ STARTING = ".starting"
 STARTUP_WAIT_S = 120.0  # the server's socket path; "0" or empty: run in-process
 _MAX_MESSAGE = 1 << 22
 _STATUS = struct.Struct("!i")
-_FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 # Imported once by the server: what the stages import (the rest is imported by the child).
 PRELOAD = (
     "dpadapter.cli",
@@ -110,7 +110,7 @@ def delegate(argv: list[str]) -> int | None:
 
     # before connecting: a signal from then on reaches the child (queued until it runs), or
     # this process if the job ends up running here
-    previous = {s: signal.signal(s, forward) for s in _FORWARDED}
+    previous = {s: signal.signal(s, forward) for s in FORWARDED}
     try:
         conn.connect(path)
         message = {"argv": argv, "cwd": os.getcwd(), "env": dict(os.environ), **_identity()}
@@ -366,7 +366,7 @@ def _child(conn: socket.socket, fds: list[int], message: dict) -> None:
         for fd, target in zip(fds, (0, 1, 2), strict=True):
             os.dup2(fd, target)
             os.close(fd)
-        for s in (*_FORWARDED, signal.SIGCHLD):
+        for s in (*FORWARDED, signal.SIGCHLD):
             signal.signal(s, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
         os.chdir(message["cwd"])

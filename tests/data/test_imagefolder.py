@@ -163,3 +163,37 @@ def test_one_process_lists_the_folder_once_for_validation_and_once_to_load(root,
     assert len(calls) == 2
     validate(_raw(root))  # a new validation reads the folder again
     assert len(calls) == 3
+
+
+def test_a_val_split_without_images_loads_and_test_sets_come_from_train(tmp_path, monkeypatch):
+    """val/ with class folders but no image (the test sets are carved from train/ with
+    `test_split: train`): it validates, loads, is cached and read back; a role that wants test
+    images from it is refused at validation, naming its key."""
+    root = tmp_path / "data"
+    for cls in ("a", "b"):
+        _write_class(root / "pics" / "tiny", cls)
+    raw = _raw(root)
+    raw["public"] = {"dataset": NAME, "n_train": 2, "n_test": 2, "test_split": "train"}
+    t = {"dataset": NAME, "n_train": 2, "n_val": 1, "n_test": 1, "test_split": "train"}
+    raw["tasks"] = {"t": t}
+    cfg = validate(raw, check_files=True)
+    train, test = load_dataset(NAME, root)
+    assert tuple(train.images.shape) == (10, 3, 8, 8) and tuple(test.images.shape) == (0, 3, 8, 8)
+    monkeypatch.setattr(imf, "_read_image", lambda *a: pytest.fail("decoded despite the cache"))
+    again, again_test = load_dataset(NAME, root)
+    assert torch.equal(again.images, train.images) and again_test.labels.numel() == 0
+    monkeypatch.chdir(tmp_path)
+    _, roles = build_splits(cfg)
+    assert len(roles["t"].test) == 1 and len(roles["public"].test) == 2
+    raw["tasks"]["t"].pop("test_split")
+    with pytest.raises(ConfigError, match=r"tasks\.t\.n_test"):
+        validate(raw)
+
+
+def _write_class(base, cls, n_train=5):
+    from PIL import Image
+
+    (base / "val" / cls).mkdir(parents=True)
+    (base / "train" / cls).mkdir(parents=True)
+    for i in range(n_train):
+        Image.new("RGB", (8, 8), (40 * i, 0, 0)).save(base / "train" / cls / f"{i}.png")

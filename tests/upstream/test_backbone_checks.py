@@ -49,3 +49,58 @@ def test_weights_that_do_not_fit_are_refused_briefly(tiny_raw, vit_file, capsys)
     assert "missing from the file (blocks.1." in msg and "with other shapes" in msg
     assert len(msg.splitlines()) < 6 and len(msg) < 1500  # counts and first names only
     assert "  missing: blocks.1." in capsys.readouterr().err  # the full list
+
+
+def test_timm_args_a_model_sets_itself_are_refused_by_name(tiny_raw, tmp_path):
+    """timm's crossvit_18_240 passes its own img_scale, embed_dim, ... and the caller's: Python's
+    `got multiple values` named one argument of a timm internal; the refusal names the key and
+    every argument to leave out, and a model that takes them builds."""
+    args = {"img_size": 32, "img_scale": [1.0, 1.0], "embed_dim": [16, 32], "depth": [[1, 1, 0]]}
+    weights = save_as(source_model("vit"), tmp_path / "cv.pth", "state_dict")
+    params = {"model": "timm:crossvit_18_240", "weights": {"file": str(weights)}, "timm_args": args}
+    msg = problems(with_external(tiny_raw, {"cv": params}))
+    assert "pretrain.external.cv.timm_args: " in msg, msg
+    assert "crossvit_18_240 sets img_scale, embed_dim, depth itself" in msg, msg
+    assert "leave them out (img_size can stay)" in msg, msg
+    import torch
+
+    from dpadapter.models import create_model
+    from dpadapter.settings import ModelConfig
+
+    with torch.device("meta"):
+        create_model(ModelConfig("timm:crossvit_9_240"), 10, 3, 0, timm_args=args)
+        with pytest.raises(ValueError, match="crossvit_18_240 sets img_scale, embed_dim, depth"):
+            create_model(ModelConfig("timm:crossvit_18_240"), 10, 3, 0, timm_args=args)
+
+
+def test_a_job_checks_only_the_backbone_it_builds(
+    tiny_raw, vit_file, tmp_path, monkeypatch, capsys
+):
+    """The workflow checks every backbone before any job; a pretrain job checks its own only, a
+    fine-tuning job none (it rebuilds its backbone from the checkpoint's record): each meta build
+    costs a job about 0.1 s of CPU, for every other upstream."""
+    import json
+
+    from dpadapter import cli
+    from dpadapter.upstream.checks import only_backbones
+
+    bad = params_for("vit", vit_file, input={"size": 28})
+    raw = with_external(tiny_raw, {"vit": params_for("vit", vit_file), "bad": bad})
+    assert "pretrain.external.bad.input.size:" in problems(raw)
+    with only_backbones(["vit"]):
+        validate(raw, check_files=True)
+        with only_backbones(None):
+            assert "pretrain.external.bad.input.size:" in problems(raw)
+    with only_backbones(["bad"]):
+        assert "pretrain.external.bad.input.size:" in problems(raw)
+    cfg = tmp_path / "c.json"
+    cfg.write_text(json.dumps(raw))
+    ran = []
+    monkeypatch.setattr(cli, "_dispatch", lambda args, c: ran.append(args.stage))
+    ft = ["finetune", "--upstream", "bad", "--task", "syn-same", "--algo", "dpsgd", "--eps", "1"]
+    ft += ["--seed", "0", "--ckpt", "m.pt", "--out", "o"]
+    for argv, rc in ((["pretrain", "--method", "vit", "--out", "o"], 0), (ft, 0),
+                     (["pretrain", "--method", "bad", "--out", "o"], 2)):  # fmt: skip
+        assert cli.main(["--config", str(cfg), *argv]) == rc, capsys.readouterr().err
+    assert ran == ["pretrain", "finetune"]
+    assert "pretrain.external.bad.input.size:" in capsys.readouterr().err

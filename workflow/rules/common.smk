@@ -88,6 +88,9 @@ _IDENTITY_WARNING = _identity.check(CFG)
 # The folder's rerun-trigger version (dpadapter.fingerprint.CURRENT_VERSION for a new one): a
 # folder built by older code keeps the triggers its finished jobs were built with.
 FP_VERSION = _identity.fingerprint_version(CFG)
+# ... with the upstream list its finished fine-tuning jobs were built with, for version 1
+# (an added upstream adds jobs and reruns none there too; None for version 2).
+FP_PINS = _identity.fingerprint_pins(CFG)
 if _IDENTITY_WARNING:
     print(f"warning: {_IDENTITY_WARNING}", file=sys.stderr)
 

@@ -13,6 +13,7 @@ from typing import Any
 
 import yaml
 
+from dpadapter.param_schema import mixed_alternatives
 from dpadapter.settings.errors import ConfigError
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
@@ -39,6 +40,9 @@ def _schema_message(err: Any) -> list[str]:
             for k in err.instance
             if k not in known
         ]
+    mixed = mixed_alternatives(err, where)
+    if mixed:
+        return [mixed]
     msg = err.message
     if isinstance(err.instance, str) and _NUMBER_TEXT.match(err.instance):
         mantissa, *exponent = re.split("[eE]", err.instance.strip())

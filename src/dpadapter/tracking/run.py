@@ -107,6 +107,9 @@ class Run:
 
 
 def _sigterm_to_exit(signum, frame):
+    # once: Slurm signals every process of a step, the child of dpadapter.supervise gets its
+    # parent's copy too, and a second SystemExit would cut short the unwinding that ends the run
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     raise SystemExit(128 + signum)
 
 

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dpadapter.models import create_model
+from dpadapter.models import create_model, with_timm_args
 from dpadapter.models.batchnorm import BATCHNORM_CHOICES, apply_batchnorm_choice
 from dpadapter.models.input_adapter import AdapterSpec, adapt
 from dpadapter.param_schema import POSITIVE_INT, nullable, params_object
@@ -401,14 +401,18 @@ class External(UpstreamMethod):
         import timm
 
         torch.manual_seed(seed)
-        model = timm.create_model(
-            mc.name[5:],
-            pretrained=True,
-            pretrained_cfg_overlay={"file": str(path)},
-            num_classes=n_classes,
-            in_chans=in_chans,
-            **timm_args,
-        )
+
+        def build(args: dict) -> nn.Module:
+            return timm.create_model(
+                mc.name[5:],
+                pretrained=True,
+                pretrained_cfg_overlay={"file": str(path)},
+                num_classes=n_classes,
+                in_chans=in_chans,
+                **args,
+            )
+
+        model = with_timm_args(mc.name[5:], build, timm_args)
         return model, ["(timm: classifier reset for the public classes)"]
 
     def checkpoint_model(self, ctx: UpstreamContext) -> tuple[dict[str, Any], int]:
