@@ -133,12 +133,15 @@ def test_problems_point_at_the_overlay_or_the_base_whichever_wrote_the_key(in_tm
 
 
 def test_a_base_key_inside_a_section_the_overlay_also_writes_is_pointed_at_the_base(in_tmp):
-    base = DEFAULT_TEXT.replace("  epochs: 6\n", '  epochs: "6"\n', 1)
+    at = DEFAULT_TEXT.index("\n  epochs: ", DEFAULT_TEXT.index("\nfinetune:")) + 1
+    end = DEFAULT_TEXT.index("\n", at)
+    epochs = DEFAULT_TEXT[at:end].split(": ")[1]  # the finetune section's, quoted below
+    base = f'{DEFAULT_TEXT[:at]}  epochs: "{epochs}"{DEFAULT_TEXT[end:]}'
     _overlay(in_tmp, base, "base: ../config.yaml\nfinetune:\n  lr: 0.25\n")
     with pytest.raises(ConfigError) as info:
         load("configs/top.yaml")
-    line = _line_of(base, '  epochs: "6"', _line_of(base, "finetune:"))
-    assert f"  config.yaml:{line}: finetune.epochs: '6' is not of type" in str(info.value)
+    line = _line_of(base, f'  epochs: "{epochs}"', _line_of(base, "finetune:"))
+    assert f"  config.yaml:{line}: finetune.epochs: '{epochs}' is not of type" in str(info.value)
 
 
 def test_a_json_overlay_is_merged_and_pointed_at_too(in_tmp):

@@ -17,6 +17,7 @@ from proc_helpers import children
 from tiny_config import TINY_RAW
 
 from dpadapter import tracking
+from dpadapter.tracking import run as tracking_run
 
 
 def _start(tmp_path: Path, name: str, tracked: bool) -> tuple[subprocess.Popen, Path]:
@@ -117,7 +118,7 @@ def test_a_second_sigterm_does_not_cut_the_unwinding_short():
     """Under Slurm the training child gets SIGTERM from Slurm and from its parent: the first
     unwinds the job (SystemExit 143), the second must not interrupt the run's ending."""
     before = signal.getsignal(signal.SIGTERM)
-    with tracking._failed_on_sigterm():
+    with tracking_run._failed_on_sigterm():
         try:
             os.kill(os.getpid(), signal.SIGTERM)
             time.sleep(5)

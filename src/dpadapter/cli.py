@@ -16,7 +16,6 @@ from dpadapter.federated.cli import add_parsers as add_federated_parsers
 from dpadapter.hpo.cli import add_parsers as add_hpo_parsers
 from dpadapter.sections import stage_sections
 from dpadapter.settings import read_raw
-from dpadapter.upstream.checks import only_backbones
 from dpadapter.validation import ConfigError, validate_files
 
 
@@ -88,8 +87,9 @@ def main(argv: list[str] | None = None) -> int:
     own = {"pretrain": [getattr(args, "method", "")], "finetune": []}.get(args.stage)
     try:  # an optional section a stage does not read never stops it (dpadapter.sections)
         raw = read_raw(args.config)
-        with only_backbones(own):
-            cfg = validate_files(raw, [args.config], sections=stage_sections(args.stage, raw))
+        cfg = validate_files(
+            raw, [args.config], sections=stage_sections(args.stage, raw), backbones=own
+        )
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import functools
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +44,7 @@ from dpadapter.settings import (
 from dpadapter.settings import from_dict as _parse
 from dpadapter.stages import checks as stage_checks
 from dpadapter.upstream import checks as upstream_checks
-from dpadapter.upstream.checks import variant_problems
+from dpadapter.upstream.checks import only_backbones, variant_problems
 from dpadapter.upstream.resolve import EXTERNAL
 
 __all__ = [
@@ -168,16 +169,21 @@ def validate_files(
     overrides: dict[str, Any] | None = None,
     check_files: bool = False,
     sections: tuple[str, ...] | None = None,
+    backbones: Collection[str] | None = None,
 ) -> Config:
     """`validate` for `raw` merged from `files` (and `overrides`), each problem pointed at the
     file and line where its fix belongs (`dpadapter.problems.locate`).
+
+    `backbones`: the upstreams whose backbone is checked (a job checks only the one it builds;
+    the workflow checked them all before any job). None: all.
 
     Each file (and each `base:` it builds on) is read again for its key lines: whoever loaded
     `raw` (Snakemake's `--configfile` loader, PyYAML) kept the later of two equal keys silently,
     so a duplicate is refused here, naming both lines; every other problem gets `file:line:` of
     the key it names.
     """
-    cfg, problems = check_files_of(raw, files, overrides, check_files)
+    with only_backbones(backbones):
+        cfg, problems = check_files_of(raw, files, overrides, check_files)
     problems = blocking(problems, sections)
     if problems:
         own = functools.partial(check, check_files=check_files)  # the base's own problems
