@@ -71,16 +71,16 @@ def test_a_duplicate_key_in_a_json_config_is_refused(in_tmp):
 
 
 def test_a_schema_violation_names_the_file_the_key_and_its_line(in_tmp):
-    text = DEFAULT_TEXT.replace("  epochs: 6\n", '  epochs: "6"\n', 1)
+    text = DEFAULT_TEXT.replace("  epochs: 8\n", '  epochs: "8"\n', 1)
     text = text.replace("  noise_std: 0.05\n", "  noise_sd: 0.05\n", 1)
     (in_tmp / "bad.yaml").write_text(text)
     with pytest.raises(ConfigError) as info:
         load("bad.yaml")
     lines = str(info.value).splitlines()
-    epochs = _line_of(text, '  epochs: "6"', _line_of(text, "finetune:"))
+    epochs = _line_of(text, '  epochs: "8"', _line_of(text, "finetune:"))
     noise = _line_of(text, "  noise_sd: 0.05")
     assert lines[0] == "invalid config:"
-    assert f"  bad.yaml:{epochs}: finetune.epochs: '6' is not of type 'integer'" in "\n".join(
+    assert f"  bad.yaml:{epochs}: finetune.epochs: '8' is not of type 'integer'" in "\n".join(
         lines
     ), lines
     assert any(
@@ -129,13 +129,13 @@ def _dry_run(tmp_path: Path, configfile: Path) -> subprocess.CompletedProcess:
 @pytest.mark.slow
 def test_snakemake_prints_each_problem_once_with_the_users_file_and_line(tmp_path):
     text = DEFAULT_TEXT.replace("results_dir: results\n", f"results_dir: {tmp_path / 'r'}\n")
-    bad = text.replace("  epochs: 6\n", '  epochs: "6"\n', 1)
+    bad = text.replace("  epochs: 8\n", '  epochs: "8"\n', 1)
     (tmp_path / "bad.yaml").write_text(bad)
     r = _dry_run(tmp_path, tmp_path / "bad.yaml")
     out = r.stdout + r.stderr
     assert r.returncode != 0
-    line = _line_of(bad, '  epochs: "6"', _line_of(bad, "finetune:"))
-    problem = f"bad.yaml:{line}: finetune.epochs: '6' is not of type 'integer'"
+    line = _line_of(bad, '  epochs: "8"', _line_of(bad, "finetune:"))
+    problem = f"bad.yaml:{line}: finetune.epochs: '8' is not of type 'integer'"
     assert out.count(problem) == 1, out[-3000:]
     assert out.count("finetune.epochs") == 1, out[-3000:]
     assert "common.smk" not in out and "Traceback" not in out, out[-3000:]

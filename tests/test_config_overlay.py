@@ -168,7 +168,7 @@ def test_a_cross_field_problem_the_overlay_brings_is_pointed_at_the_overlay(in_t
     assert f"(federated.task is written at config.yaml:{fed}, which this file's changes" in msg
     assert "set federated.task in configs/top.yaml" in msg, msg
     # a list item cannot be unset: no such advice for it
-    grid = "  configs/top.yaml:2: finetune.extra_grids.1.tasks: unknown task 'fmnist-shift'"
+    grid = "  configs/top.yaml:2: finetune.extra_grids.0.tasks: unknown task 'fmnist-shift'"
     line = next(x for x in msg.splitlines() if x.startswith(grid))
     assert "unset" not in line.split("(", 1)[1], line
 
@@ -187,7 +187,7 @@ def test_snakemake_style_files_and_overrides_merge_like_snakemake(in_tmp):
     (in_tmp / "more.yaml").write_text("finetune: {epochs: 2}\n")
     raw = read_files(["configs/top.yaml", "more.yaml"], {"privacy": {"delta": 1.0e-6}})
     assert raw["seed"] == 3 and raw["finetune"]["epochs"] == 2
-    assert raw["finetune"]["lr"] == 0.5  # merged, as Snakemake merges config files
+    assert raw["finetune"]["lr"] == 0.1  # merged, as Snakemake merges config files
     assert raw["privacy"] == {"delta": 1.0e-6, "accountant": "prv"}
     validate(raw)
 

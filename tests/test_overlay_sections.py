@@ -96,16 +96,16 @@ def test_the_main_grid_runs_and_each_unused_section_waits_for_its_target(overlay
 
 
 def test_a_main_grid_problem_the_overlay_brings_stops_it_at_the_overlays_line(overlay):
-    """config.yaml's main grid and extra grids name `scratch`, `control`, ...: gone with the
+    """config.yaml's main grid and extra grids name `scratch`, `dpadapter`, ...: gone with the
     overlay's upstreams, so the main grid cannot be planned; the fix is the overlay's."""
     top = overlay(finetune="")
     with pytest.raises(ConfigError) as info:
         validate_scoped(read_raw(top), [top])
     msg = str(info.value)
     methods = _line_of(top.read_text(), "methods: [mine-a, mine-b]")
-    grid = _line_of(DEFAULT_TEXT, "    - upstreams: [control]")
+    grid = _line_of(DEFAULT_TEXT, "    - upstreams: [dpadapter]")
     assert (
-        f"  configs/top.yaml:{methods}: finetune.extra_grids.0.upstreams: 'control' is not in "
+        f"  configs/top.yaml:{methods}: finetune.extra_grids.0.upstreams: 'dpadapter' is not in "
         f"pretrain.methods (finetune.extra_grids.0.upstreams is written at config.yaml:{grid}"
     ) in msg, msg
     assert (

@@ -250,9 +250,14 @@ def test_a_child_killed_for_memory_says_so(server, tmp_path):
     cfg.write_text(json.dumps(raw))
     out = tmp_path / "out"
     p = _job(["--config", str(cfg), "warmup", "--out", str(out)], tmp_path, path)
-    os.kill(_forked_child(log, out, p), signal.SIGKILL)
+    child = _forked_child(log, out, p)
+    # the server logs the pid right after the fork; a child killed before it told the client it
+    # took the job (a few ms later) makes the client run the job itself: kill it once it trains
+    time.sleep(2.0)
+    assert p.poll() is None
+    os.kill(child, signal.SIGKILL)
     _, err = p.communicate(timeout=60)
-    assert p.returncode == 128 + signal.SIGKILL
+    assert p.returncode == 128 + signal.SIGKILL, err[-2000:]
     assert "warmup was killed by SIGKILL" in err and "out-of-memory" in err, err
     assert "grad_sample_mode: hooks" in err and "physical_batch_size: 25" in err
 
@@ -302,3 +307,44 @@ def test_forked_jobs_do_not_share_the_global_random_streams(tmp_path, monkeypatc
     assert a[1] != b[1], "numpy's global state is shared by forked jobs"
     seeded = [_forked_draws(tmp_path, f"s{i}.json", monkeypatch, seed=7) for i in range(2)]
     assert seeded[0] == seeded[1]
+
+
+def test_a_forked_job_has_its_own_processs_state_not_the_servers(tmp_path, monkeypatch):
+    """A job forked from the server sees what its own process would: the client's environment
+    and sys.path (sent with the job), and torch's generator seeded afresh (a fresh process seeds
+    it from the OS), whatever the server (here: this process) set or drew before the fork."""
+    import socket
+
+    import torch
+
+    torch.manual_seed(3)  # the server's state, which every child inherits
+    monkeypatch.setenv("SERVER_ONLY", "1")
+    monkeypatch.setattr(sys, "path", ["/server/only", *sys.path])
+    env = {k: v for k, v in os.environ.items() if k != "SERVER_ONLY"} | {"CLIENT_ONLY": "1"}
+    path = [*sys.path[1:], "/client/only"]
+
+    def run_job(name: str) -> list:
+        out = tmp_path / name
+
+        def job(argv: list[str]) -> int:
+            out.write_text(json.dumps([torch.rand(1).item(), dict(os.environ), sys.path]))
+            return 0
+
+        monkeypatch.setattr(prefork, "_run", job)
+        parent, child = socket.socketpair()
+        pid = os.fork()
+        if pid == 0:
+            parent.close()
+            fds = [os.open(os.devnull, os.O_RDWR) for _ in range(3)]
+            message = {"cwd": str(tmp_path), "env": env, "path": path, "argv": []}
+            prefork._child(child, fds, message)
+        child.close()
+        os.waitpid(pid, 0)
+        parent.close()
+        return json.loads(out.read_text())
+
+    a, b = run_job("a.json"), run_job("b.json")
+    server_next = torch.rand(1).item()
+    assert a[0] != b[0] and server_next not in (a[0], b[0]), "torch's state is the server's"
+    assert a[1] == env and "SERVER_ONLY" not in a[1]
+    assert a[2] == path and "/server/only" not in a[2]

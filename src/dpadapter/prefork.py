@@ -113,7 +113,13 @@ def delegate(argv: list[str]) -> int | None:
     previous = {s: signal.signal(s, forward) for s in FORWARDED}
     try:
         conn.connect(path)
-        message = {"argv": argv, "cwd": os.getcwd(), "env": dict(os.environ), **_identity()}
+        message = {
+            "argv": argv,
+            "cwd": os.getcwd(),
+            "env": dict(os.environ),
+            "path": list(sys.path),
+            **_identity(),
+        }
         socket.send_fds(conn, [json.dumps(message).encode()], [0, 1, 2])
         answer = conn.recv(1)
         accepted = answer == b"+"  # else refused: another interpreter or package, or a hazard
@@ -372,6 +378,7 @@ def _child(conn: socket.socket, fds: list[int], message: dict) -> None:
         os.chdir(message["cwd"])
         os.environ.clear()
         os.environ.update(message["env"])
+        sys.path[:] = message.get("path", sys.path)  # the job's own process's, not the server's
         tempfile.tempdir = None  # chosen again from the job's TMPDIR
         _reseed_globals()
         sys.argv = [sys.argv[0], *message["argv"]]
@@ -386,7 +393,7 @@ def _child(conn: socket.socket, fds: list[int], message: dict) -> None:
 
 
 def _reseed_globals() -> None:
-    """Fresh OS entropy for the global `random` and numpy generators of this job: a child
+    """Fresh OS entropy for the global `random`, numpy and torch generators of this job: a child
     inherits the server's state, so every job would otherwise draw the same numbers from them
     (CPython reseeds `random` after a fork, numpy does not). A job that wants a fixed stream
     seeds it itself, as it would in its own process."""
@@ -394,6 +401,9 @@ def _reseed_globals() -> None:
     numpy = sys.modules.get("numpy")  # not imported yet: seeded from the OS when it is
     if numpy is not None:
         numpy.random.seed()
+    torch = sys.modules.get("torch")  # a fresh process seeds it from the OS too
+    if torch is not None:
+        torch.seed()
 
 
 def _run(argv: list[str]) -> int:

@@ -22,8 +22,10 @@ class NonPrivate(DPAlgorithm):
     def accounted_noise_multiplier(self, opt: DPOptimizer) -> float:
         return self.sigma
 
-    def make_optimizer(self, optimizer: torch.optim.Optimizer) -> DPOptimizer:
-        opt = DPOptimizer(
+    def make_optimizer(self, optimizer: torch.optim.Optimizer, wrapped) -> DPOptimizer:
+        opt = self._new_optimizer(
+            DPOptimizer,
+            wrapped,
             optimizer,
             noise_multiplier=0.0,
             max_grad_norm=1e12,  # clip factor min(1, C/norm) = 1: nothing is clipped

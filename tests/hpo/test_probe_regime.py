@@ -290,5 +290,11 @@ def test_default_config_carves_the_hpo_task_beside_the_others():
     for name in ("public", "fmnist-same", "fmnist-shift"):
         for part in ("train", "val", "test"):
             assert torch.equal(getattr(a[name], part), getattr(b[name], part))
-    used = torch.cat([a[n].test for n in a if a[n].dataset == "fashion-mnist"])
-    assert used.unique().numel() == used.numel()  # disjoint
+    fm = [r for r in a.values() if r.dataset == "fashion-mnist"]
+    for pool in ("train", "test"):  # disjoint in each source split, whichever role takes them
+        used = torch.cat(
+            [r.train for r in fm if r.train_split == pool]
+            + [r.val for r in fm if r.train_split == pool]
+            + [r.test for r in fm if r.test_split == pool]
+        )
+        assert used.unique().numel() == used.numel(), pool
