@@ -113,13 +113,8 @@ def delegate(argv: list[str]) -> int | None:
     previous = {s: signal.signal(s, forward) for s in FORWARDED}
     try:
         conn.connect(path)
-        message = {
-            "argv": argv,
-            "cwd": os.getcwd(),
-            "env": dict(os.environ),
-            "path": list(sys.path),
-            **_identity(),
-        }
+        message = {"argv": argv, "cwd": os.getcwd(), "env": dict(os.environ), "path": sys.path}
+        message.update(_identity())
         socket.send_fds(conn, [json.dumps(message).encode()], [0, 1, 2])
         answer = conn.recv(1)
         accepted = answer == b"+"  # else refused: another interpreter or package, or a hazard
