@@ -120,12 +120,14 @@ _SPLITS: dict[str, Any] = {}
 
 
 def _splits(cfg: Config, task: str):
-    """The proxy's tensors, built once per worker (the split depends on the data config only)."""
-    if task not in _SPLITS:
+    """The proxy's tensors, built once per worker: keyed by what the split depends on (the
+    data, public and task sections), so another config never gets a stale split."""
+    key = repr((task, cfg.data, cfg.public, cfg.tasks))
+    if key not in _SPLITS:
         from dpadapter.data import build_splits
 
-        _SPLITS[task] = build_splits(cfg, [task])[1][task]
-    return _SPLITS[task]
+        _SPLITS[key] = build_splits(cfg, [task])[1][task]
+    return _SPLITS[key]
 
 
 def _worker_init() -> None:
