@@ -40,6 +40,7 @@ from typing import Any
 
 import yaml
 
+from dpadapter import atomic
 from dpadapter.settings import Config
 from dpadapter.settings import load as load_config
 
@@ -256,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     cache = a.cache or Path(cfg.results_dir) / "recipe" / "runs.jsonl"
     out = search(a.config, Search.load(a.search), cache, a.workers)
     a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(HEADER + yaml.safe_dump(out, sort_keys=False, width=100))
+    atomic.write_text(a.out, HEADER + yaml.safe_dump(out, sort_keys=False, width=100))
     print(f"chosen: {out['chosen']} (score {out['chosen_score']})")
     return 0
 
