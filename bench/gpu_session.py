@@ -124,6 +124,10 @@ class Session:
         self.data: dict = {"dry_run": self.dry, "deadline_s": args.deadline}
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         if self.dry:
+            # one intra-op thread per step: beside other work (the suite's second worker) two
+            # threads per process on two cores spin against each other, and a tiny step that
+            # takes 7 s alone took over 45 s (its cap) that way
+            self.env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
             hide = self.work / "hide"
             hide.mkdir(parents=True, exist_ok=True)
             (hide / "sitecustomize.py").write_text(HIDE_MLFLOW)
@@ -215,7 +219,7 @@ class Session:
         from gpu_session_table2 import run_table2
 
         mode, why = self.fastest_mode()
-        parallel = 2 if self.dry else self.parallel_cells(mode)
+        parallel = 2 if self.dry else (self.args.cells or self.parallel_cells(mode))
         t0 = time.monotonic()
         try:
             report = run_table2(
@@ -337,6 +341,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dry-run", action="store_true", help="tiny sizes on the CPU")
     ap.add_argument("--deadline", type=float, help="seconds for everything (480; dry run 170)")
     ap.add_argument("--only", nargs="+", help="these steps only (a rerun)")
+    ap.add_argument("--cells", type=int, help="Table 2 cells side by side (a rerun without b)")
     ap.add_argument("--stall", nargs="*", help="Table 2 cells made to overrun (dry run)")
     ap.add_argument("--work", type=Path, help="scratch folder (default /tmp/gpu-session-PID)")
     ap.add_argument("--versions", type=Path, help=argparse.SUPPRESS)

