@@ -37,6 +37,7 @@ LAYERS: dict[str, int] = {
     "dpadapter.settings": 0,
     "dpadapter.param_schema": 0,
     "dpadapter.device": 0,
+    "dpadapter.distributed": 0,
     "dpadapter.stats": 0,
     "dpadapter.tables": 0,
     "dpadapter.identity": 0,

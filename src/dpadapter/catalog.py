@@ -47,6 +47,7 @@ WRITE_COMMAND = "python -m dpadapter.catalog --write"
 class Algorithm:
     name: str
     params_schema: dict[str, Any]
+    distributed_refusal: str | None = None  # why finetune.processes > 1 cannot run it
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,10 @@ class Upstream:
 
 def algorithms() -> dict[str, Algorithm]:
     """Registered DP algorithms by name, in registry order."""
-    return {n: Algorithm(n, e["params_schema"]) for n, e in _manifest()["algorithms"].items()}
+    return {
+        n: Algorithm(n, e["params_schema"], e.get("distributed_refusal"))
+        for n, e in _manifest()["algorithms"].items()
+    }
 
 
 def upstreams() -> dict[str, Upstream]:
@@ -114,7 +118,10 @@ def build() -> dict[str, Any]:
 
     manifest = {
         "sources_sha256": sources_digest(),
-        "algorithms": {n: {"params_schema": c.params_schema} for n, c in ALGORITHMS.items()},
+        "algorithms": {
+            n: {"params_schema": c.params_schema, "distributed_refusal": c.distributed_refusal}
+            for n, c in ALGORITHMS.items()
+        },
         "upstreams": {
             n: {
                 "params_schema": c.params_schema,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -96,13 +97,32 @@ def main(argv: list[str] | None = None) -> int:
     if args.stage == "validate":
         print("config OK")
         return 0
+    processes = cfg.finetune.processes if args.stage == "finetune" else 1
+    if processes > 1 and "WORLD_SIZE" not in os.environ:
+        # the job again as `processes` processes under torchrun (dpadapter.distributed), which
+        # fails the whole job when one of them fails
+        from dpadapter.distributed import torchrun_command
+
+        cmd = torchrun_command(processes, list(sys.argv[1:] if argv is None else argv))
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.execv(cmd[0], cmd)
     from dpadapter.tracking import TrackingError
 
     try:
+        if "WORLD_SIZE" in os.environ:
+            from dpadapter import device, distributed
+
+            distributed.init(device.resolve(cfg.device))
         _dispatch(args, cfg)
     except TrackingError as exc:  # tracking.enabled: true and MLflow unusable: one clear line
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    finally:
+        if "WORLD_SIZE" in os.environ:
+            from dpadapter import distributed
+
+            distributed.shutdown()
     return 0
 
 
@@ -122,7 +142,8 @@ def _dispatch(args: argparse.Namespace, cfg) -> None:
         m = finetune.run(
             cfg, args.upstream, args.task, args.algo, args.eps, args.seed, args.ckpt, args.out
         )
-        print(f"test accuracy {m['test_accuracy']:.4f}  epsilon {m['privacy']['epsilon']:.3f}")
+        if m["test_accuracy"] == m["test_accuracy"]:  # another rank of a job: nan, no line
+            print(f"test accuracy {m['test_accuracy']:.4f}  epsilon {m['privacy']['epsilon']:.3f}")
     elif args.stage == "aggregate":
         from dpadapter.stages import aggregate
 

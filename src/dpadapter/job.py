@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import platform
@@ -13,7 +14,7 @@ from typing import Any
 
 import torch
 
-from dpadapter import atomic, tracking
+from dpadapter import atomic, distributed, tracking
 from dpadapter import device as devices
 from dpadapter.settings import Config
 
@@ -60,6 +61,11 @@ def training_job(
     The run is nested under `parent_run_id` (an HPO plan's run), else under its stage's group
     run of this config (tracking.job)."""
     torch.set_num_threads(int(os.environ.get("DPADAPTER_THREADS", torch.get_num_threads())))
+    # In a job of several processes only rank 0 writes metrics.json and the MLflow run; the
+    # other ranks train their shard and keep their metrics to themselves.
+    writer = distributed.world().writer
+    if not writer:
+        cfg = dataclasses.replace(cfg, tracking=dataclasses.replace(cfg.tracking, enabled=False))
     out_dir.mkdir(parents=True, exist_ok=True)
     job = tracking.job(cfg, stage, wildcards)
     # Where the job runs, decided once (config `device`, or $DPADAPTER_DEVICE for this job);
@@ -93,6 +99,8 @@ def training_job(
         metrics["device"]["peak_memory_mib"] = devices.peak_memory_mib(dev)
         metrics["resources"] = process_resources()
         metrics["host"] = platform.node()
+        if not writer:
+            return
         path = out_dir / "metrics.json"
         write_json(path, metrics)
         run.log_metrics({"wall_time_s": metrics["wall_time_s"], **metrics["resources"]})

@@ -118,6 +118,10 @@ class AdpClip(DPAlgorithm):
     """
 
     optimizer_class: ClassVar[type[CentredAdaClipOptimizer]] = CentredAdaClipOptimizer
+    distributed_refusal: ClassVar[str | None] = (
+        "AdpClip's noisy count of unclipped examples (its clip-bound update) is counted and "
+        "noised per process; summing it across processes is not implemented"
+    )
     mechanism_note: ClassVar[str | None] = (
         "AdpClip answers two Gaussian queries per step on the same Poisson batch: the clipped "
         "gradient sum (sensitivity C_t, noise multiplier (sigma^-2 - (2 sigma_b)^-2)^-1/2) and "

@@ -128,6 +128,10 @@ class DPAlgorithm:
     needs_per_sample_gradients: ClassVar[bool] = False
     # The Opacus optimizer class of the clip and noise phases (a subclass overrides one of them).
     optimizer_class: ClassVar[type[DPOptimizer]] = DPOptimizer
+    # Why a job of several processes (`finetune.processes`) may not run it, or None: it may
+    # (the release is summed over the ranks before anything reads it: dpadapter.distributed).
+    # Config validation reads it from the catalog and refuses such a job before it starts.
+    distributed_refusal: ClassVar[str | None] = None
 
     # JSON schema of `finetune.algo_params.<name>`: the config validation refuses a typo or a
     # wrong type before any job, and the constructor checks it again.

@@ -236,6 +236,10 @@ class GEP(DPAlgorithm):
     releases_per_step: ClassVar[int] = 2
     needs_public_data: ClassVar[bool] = True
     needs_per_sample_gradients: ClassVar[bool] = True  # it projects them onto its anchors
+    distributed_refusal: ClassVar[str | None] = (
+        "GEP's anchor subspace and its two noised parts are drawn from the noise generator and "
+        "computed per process; summing them across processes is not implemented"
+    )
     mechanism_note: ClassVar[str | None] = (
         "GEP releases a clipped gradient embedding (clip C_e, noise sqrt(2)*sigma*C_e) and "
         "residual (clip C_r, noise sqrt(2)*sigma*C_r) computed on the same Poisson batch; the "

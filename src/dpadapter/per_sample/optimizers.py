@@ -17,6 +17,11 @@ than the sensitivity the accountant is told (`bookkeeping`'s docstring). The per
 gradients themselves may come from TF32 kernels: the bound holds for whatever vector is
 clipped, as long as the clip is exact.
 
+In a job of several processes (`dpadapter.distributed`) a third mixin, `DistributedNoise`, goes
+in front: its noise phase adds the noise on rank 0 only and sums the ranks' clipped sums in one
+all-reduce before anything reads the release (Opacus' `get_optimizer_class(distributed=True)`
+picks its `DistributedDPOptimizer` the same way; that class reduces after the step hook).
+
 `dp_optimizer` constructs one; the class is fixed at construction and never swapped on a live
 object.
 """
@@ -30,6 +35,7 @@ import torch
 from opacus.optimizers import DPOptimizer
 from torch import nn
 
+from dpadapter import distributed
 from dpadapter.device import full_fp32
 from dpadapter.per_sample.bookkeeping import BookKeepingModule
 from dpadapter.per_sample.clip import clip_factors
@@ -109,23 +115,52 @@ class BookKeepingClip:
         bk.clear()
 
 
+class DistributedNoise:
+    """Placed before a clip mixin in a multi-process job: the noise phase of the whole job.
+
+    Rank 0 runs the class's own noise phase (one draw of N(0, sigma^2 C^2) per coordinate, from
+    the run's noise generator); every other rank releases its clipped sum as it is; one
+    all-reduce then gives every rank the global clipped sum plus that one draw. Scaling (by the
+    global expected batch size), the step hook and the update follow on equal values.
+    """
+
+    def add_noise(self) -> None:
+        params = self.params  # type: ignore[attr-defined]
+        if distributed.world().rank == 0:
+            super().add_noise()  # type: ignore[misc]
+        else:
+            from opacus.optimizers.optimizer import _check_processed_flag, _mark_as_processed
+
+            for p in params:
+                _check_processed_flag(p.summed_grad)
+                p.grad = p.summed_grad.clone().view_as(p)
+                _mark_as_processed(p.summed_grad)
+        distributed.all_reduce_sum([p.grad for p in params])
+
+
 def _marker(p: torch.Tensor, n: int) -> torch.Tensor:
     return torch.empty((n, 0), dtype=p.dtype, device=p.device)
 
 
 @functools.cache
-def _with_clip(clip: type, base: type[DPOptimizer]) -> type[DPOptimizer]:
+def _with_clip(clip: type, base: type[DPOptimizer], multi: bool = False) -> type[DPOptimizer]:
     name = {BookKeepingClip: "BookKeeping", FP32Clip: "FP32Clip"}[clip] + base.__name__
-    return type(name, (clip, base), {"__module__": __name__})
+    bases = (DistributedNoise, clip, base) if multi else (clip, base)
+    return type(("Distributed" if multi else "") + name, bases, {"__module__": __name__})
 
 
-def optimizer_class(base: type[DPOptimizer], wrapped: nn.Module) -> type[DPOptimizer]:
+def optimizer_class(
+    base: type[DPOptimizer], wrapped: nn.Module, multi: bool | None = None
+) -> type[DPOptimizer]:
     """The class to construct for algorithm class `base` and the module `wrapped_for_dp` made:
-    `base` behind `BookKeepingClip` for a `BookKeepingModule`, else behind `FP32Clip`."""
-    if issubclass(base, (BookKeepingClip, FP32Clip)):
+    `base` behind `BookKeepingClip` for a `BookKeepingModule`, else behind `FP32Clip`; behind
+    `DistributedNoise` too when the job has several processes (`multi`; None: this job's)."""
+    if issubclass(base, (BookKeepingClip, FP32Clip, DistributedNoise)):
         raise TypeError(f"{base.__name__} already has its clip; pass the algorithm's class")
     clip = BookKeepingClip if isinstance(wrapped, BookKeepingModule) else FP32Clip
-    return _with_clip(clip, base)
+    if multi is None:
+        multi = distributed.world().multi
+    return _with_clip(clip, base, multi)
 
 
 def dp_optimizer(

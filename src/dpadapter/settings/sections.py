@@ -192,6 +192,9 @@ class FinetuneConfig:
     ut_t1_fraction: float = 0.5  # ut: share of the steps that are head-tuning
     # frozen BatchNorms' scale and shift under DP: train (per example) | freeze (models.batchnorm)
     bn_affine: str = "train"
+    # processes (GPUs) per fine-tuning job: > 1 runs it under torchrun, data-parallel, with one
+    # Poisson sample, one clipped sum and one noise draw per step (dpadapter.distributed)
+    processes: int = 1
 
     def problems(self) -> list[str]:
         """What the section gets wrong on its own (`key: text`)."""

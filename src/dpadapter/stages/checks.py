@@ -17,13 +17,24 @@ from dpadapter.settings.errors import NOT_METHOD, missing
 
 
 def algorithm_problems(cfg: Config) -> list[str]:
-    """`finetune.algorithms` against the registry."""
+    """`finetune.algorithms` against the registry; with `finetune.processes` > 1, every
+    algorithm of the fine-tuning grids must run across processes."""
     algos = catalog.algorithms()
-    return [
+    out = [
         f"finetune.algorithms: unknown algorithm {name!r}; known: {sorted(algos)}"
         for name in cfg.finetune.algorithms
         if name not in algos
     ]
+    if cfg.finetune.processes > 1:
+        used = dict.fromkeys(job[2] for job in cfg.finetune_grid())
+        for name in used:
+            why = algos[name].distributed_refusal if name in algos else None
+            if why:
+                out.append(
+                    f"finetune.processes: {cfg.finetune.processes} processes cannot run "
+                    f"{name!r}: {why}; run it with processes: 1"
+                )
+    return out
 
 
 def grid_problems(cfg: Config) -> list[str]:

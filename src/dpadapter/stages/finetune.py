@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from dpadapter import distributed
 from dpadapter.algorithms import ALGORITHMS
 from dpadapter.data import build_splits, public_train
 from dpadapter.job import seed_everything, training_job
@@ -99,6 +100,11 @@ def run(
         epsilon = ledger.epsilon()
         if epsilon > eps * 1.001:
             raise RuntimeError(f"spent epsilon {epsilon:.4f} exceeds the target {eps}")
+        if not distributed.world().writer:
+            # another rank of a multi-process job: its replica equals rank 0's, which
+            # evaluates and writes the job's files (metrics.json, model.pt, the MLflow run)
+            metrics.update(test_accuracy=float("nan"), privacy={"epsilon": epsilon})
+            return metrics
         r = cfg.robustness
         hyper = {
             **algo.describe(),
@@ -159,5 +165,6 @@ def run(
             ckpt_meta["in_chans"],
             {"task": task},
         )
-    resume.clear()
+    if distributed.world().writer:
+        resume.clear()
     return metrics

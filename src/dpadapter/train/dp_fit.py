@@ -8,6 +8,8 @@ loop is written here because Opacus' `make_private` has no notion of the pipelin
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -17,6 +19,7 @@ from torch import nn
 from torch.utils.data import Dataset, TensorDataset
 
 from dpadapter import device as devices
+from dpadapter import distributed
 from dpadapter.algorithms import ALGORITHMS, DPRunSpec
 from dpadapter.models.batchnorm import freeze_batchnorm
 from dpadapter.per_sample import (
@@ -129,7 +132,13 @@ def dp_fit(
     dev = devices.resolve(settings.device)
     devices.configure(dev, settings.tf32)
     model.to(dev)
-    train = devices.place(train, dev)
+    # Several processes (torchrun): this one trains on its shard, sampled at the same q; the
+    # optimizer sums the ranks' clipped sums and adds the noise once (dpadapter.distributed).
+    world = distributed.world()
+    refusal = ALGORITHMS[algo_name].distributed_refusal if world.multi else None
+    if refusal:
+        raise ValueError(f"{algo_name} cannot run in {world.size} processes: {refusal}")
+    train = devices.place(distributed.shard(train, world), dev)
     ledger = PrivacyLedger(spec.delta, spec.accountant)
     # The mechanism's noise is drawn on the parameters' device (Opacus needs the generator there).
     secret = settings.randomness == randomness.SECRET
@@ -144,7 +153,9 @@ def dp_fit(
             raise ValueError(f"{algo_name} needs public data: pass `public`")
         algo.set_public_data(public() if callable(public) else public)
     needs_samples = algo.needs_per_sample_gradients
-    pad = padding(settings.pad_batches, settings.physical_batch_size, dev, spec)
+    # a rank's Poisson batch is about 1/k of the job's: its padded size follows its own mean
+    local = spec if not world.multi else _per_rank(spec, world.size)
+    pad = padding(settings.pad_batches, settings.physical_batch_size, dev, local)
     # The independence check and the self-test draw synthetic inputs of the data's sample
     # shape (no private value is read), the self-test as many as a physical batch will hold.
     x = train.tensors[0]
@@ -154,7 +165,7 @@ def dp_fit(
         needs_samples,
         (x.shape[1:], x.dtype),
         check=settings.per_sample_check,
-        check_batch=pad or settings.physical_batch_size or spec.expected_batch_size,
+        check_batch=pad or settings.physical_batch_size or local.expected_batch_size,
     )
     algo.grad_sample_mode = effective_mode(settings.grad_sample_mode, needs_samples)
     algo.per_sample_check = gsm.per_sample_check
@@ -165,7 +176,7 @@ def dp_fit(
     if secret:
         sample_gen = randomness.secret_generator()
     else:
-        sample_gen = torch.Generator().manual_seed(20_000 + seed)
+        sample_gen = torch.Generator().manual_seed(distributed.sample_seed(seed, world))
     loader = dp_batches(
         train,
         spec.sample_rate,
@@ -188,8 +199,8 @@ def dp_fit(
         ledger.history = PrivacyLedger.from_state_dict(state["ledger"]).history
         if not secret:  # secret: the mechanism's draws have no state; nothing to restore
             noise_gen.set_state(state["noise_rng"])
-            sample_gen.set_state(state["sample_rng"])
-        devices.set_rng_state(state["torch_rng"])
+            sample_gen.set_state(_own(state["sample_rng"], world))
+        devices.set_rng_state(_own(state["torch_rng"], world))
         first_epoch = state["epoch"]
         if schedule is not None:
             apply_phase(model, schedule.phase(ledger.steps))
@@ -204,6 +215,8 @@ def dp_fit(
     # (optional) adds the validation accuracy, which is reported only and steers nothing.
     total_steps = spec.total_steps if max_steps is None else min(spec.total_steps, max_steps)
     report = ProgressLine(label or algo_name, total_steps, start_step=ledger.steps)
+    if not world.writer:  # one log line per step of the job, not one per process
+        report.step = report.epoch = lambda *a, **k: None  # type: ignore[method-assign]
     for epoch in range(first_epoch, spec.epochs):
         if max_steps is not None and ledger.steps >= max_steps:
             break
@@ -233,22 +246,45 @@ def dp_fit(
         if max_steps is not None and ledger.steps >= max_steps:
             break
         if resume is not None and epoch + 1 < spec.epochs:
-            resume.save(
-                {
-                    "epoch": epoch + 1,
-                    "model": model.state_dict(),
-                    "optimizer": base_opt.state_dict(),
-                    "algorithm": algo.state_dict(),
-                    "ledger": ledger.state_dict(),
-                    "noise_rng": noise_gen.get_state(),
-                    "sample_rng": sample_gen.get_state(),
-                    "torch_rng": devices.rng_state(dev),
-                }
-            )
+            # each rank's sampler and torch RNG (the replicas' other state is equal); one
+            # collective on every rank, one file from rank 0
+            sample_rng = _mine(sample_gen.get_state(), world)
+            torch_rng = _mine(devices.rng_state(dev), world)
+            if world.writer:
+                resume.save(
+                    {
+                        "epoch": epoch + 1,
+                        "model": model.state_dict(),
+                        "optimizer": base_opt.state_dict(),
+                        "algorithm": algo.state_dict(),
+                        "ledger": ledger.state_dict(),
+                        "noise_rng": noise_gen.get_state(),
+                        "sample_rng": sample_rng,
+                        "torch_rng": torch_rng,
+                        "processes": world.size,
+                    }
+                )
     algo.clipping_plan = dict(getattr(gsm, "last_plan", {}))
     if hasattr(gsm, "_close"):
         gsm._close()  # drop the per-sample hooks; evaluation uses the plain module
     return algo, ledger
+
+
+def _per_rank(spec: DPRunSpec, processes: int) -> DPRunSpec:
+    """The spec as one rank sees its shard: the same q, 1/k of the expected batch."""
+    return dataclasses.replace(
+        spec, expected_batch_size=max(1, math.ceil(spec.expected_batch_size / processes))
+    )
+
+
+def _mine(state, world: distributed.World):
+    """A per-process state as saved: itself (one process) or every rank's, in rank order."""
+    return distributed.gather(state) if world.multi else state
+
+
+def _own(saved, world: distributed.World):
+    """This rank's part of a per-process state saved by `_mine`."""
+    return saved[world.rank] if world.multi else saved
 
 
 def privacy_record(spec: DPRunSpec, ledger: PrivacyLedger, target: float, epsilon: float) -> dict:

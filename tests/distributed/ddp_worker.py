@@ -1,0 +1,164 @@
+"""Run by torchrun (tests/distributed): one case of a multi-process DP job, results to files.
+
+Each rank writes `<out>/rank<r>.pt`; the tests compare them with a one-process run made in the
+test's own process by the same functions (`release` and `fit` with no process group).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from dpadapter import distributed
+from dpadapter.algorithms import DPRunSpec
+from dpadapter.models import create_model
+from dpadapter.per_sample import wrap_for_dp
+from dpadapter.per_sample.optimizers import dp_optimizer
+from dpadapter.settings import ModelConfig
+from dpadapter.train.dp_fit import FitSettings, dp_fit
+from dpadapter.train.resume import ResumeFile
+
+CLASSES = 3
+
+
+def data(n: int = 48, seed: int = 0) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 1, 12, 12, generator=g)
+    return TensorDataset(x, torch.randint(0, CLASSES, (n,), generator=g))
+
+
+def model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return create_model(ModelConfig(name="cnn-gn", groups=2, width=4), CLASSES, 1, seed, None)
+
+
+def release(mode: str, sigma: float, rows: torch.Tensor, expected: int, dtype=torch.float64):
+    """One release of the DP optimizer on `rows` of `data()`: each process clips its share of
+    the rows, the optimizer sums over the processes (and adds noise once). Returns the released
+    vector (p.grad, scaled back up by the expected batch size)."""
+    x, y = data().tensors
+    m = model().to(dtype)
+    wrapped = wrap_for_dp(m, mode, False, (x.shape[1:], dtype), check=False)
+    base = torch.optim.SGD(wrapped.parameters(), lr=0.0)
+    gen = torch.Generator().manual_seed(1234)
+    opt = dp_optimizer(
+        __import__("opacus").optimizers.DPOptimizer, wrapped, base,
+        noise_multiplier=sigma, max_grad_norm=0.5, expected_batch_size=expected, generator=gen,
+    )  # fmt: skip
+    opt.zero_grad(set_to_none=True)
+    if len(rows):
+        out = wrapped(x[rows].to(dtype))
+        nn.functional.cross_entropy(out, y[rows]).backward()
+    else:  # an empty local batch still joins the release
+        for p in opt.params:
+            p.grad_sample = torch.zeros((0, *p.shape), dtype=p.dtype)
+    opt.step()
+    return torch.cat([p.grad.reshape(-1) * expected for p in opt.params]).detach()
+
+
+def spec(n: int, epochs: int = 2, eps: float = 4.0) -> DPRunSpec:
+    q = 0.125
+    return DPRunSpec(
+        target_epsilon=eps, delta=1e-5, sample_rate=q, steps_per_epoch=int(1 / q),
+        epochs=epochs, expected_batch_size=int(q * n), max_grad_norm=1.0, accountant="rdp",
+    )  # fmt: skip
+
+
+def settings(mode: str = "bk") -> FitSettings:
+    return FitSettings(
+        lr=0.2, momentum=0.5, grad_sample_mode=mode, physical_batch_size=None,
+        pad_batches=False, device="cpu", tf32=False, per_sample_check=False,
+    )  # fmt: skip
+
+
+def fit(algo: str, mode: str = "bk", n: int = 48, resume: Path | None = None, stop_after=None):
+    m = model()
+    train = data(n)
+
+    def on_epoch(epoch, stats):
+        if stop_after is not None and epoch > stop_after:
+            raise KeyboardInterrupt("killed")  # after the state of epoch `stop_after` was saved
+
+    rf = ResumeFile(resume, identity="ddp-test") if resume is not None else None
+    _, ledger = dp_fit(m, train, algo, spec(n), settings(mode), 0, on_epoch=on_epoch, resume=rf)
+    weights = torch.cat([p.detach().reshape(-1) for p in m.parameters()])
+    return {"weights": weights, "epsilon": ledger.epsilon(), "history": ledger.state_dict()}
+
+
+MODES = ("bk", "hooks", "ew", "functorch")
+SIGMAS = (0.0, 1.3)
+TOTAL = 10  # rows of one release, split over the ranks
+
+
+def releases(w: distributed.World) -> dict:
+    """Every mode at noise 0 and 1.3 on rows 0..9 split over the ranks; and rows 0..4 on rank 0
+    only (rank 1's local batch empty)."""
+    out = {}
+    for mode in MODES:
+        for sigma in SIGMAS:
+            rows = torch.arange(TOTAL)[w.rank :: w.size]
+            out[(mode, sigma)] = release(mode, sigma, rows, TOTAL)
+    out["empty"] = release("bk", 0.0, torch.arange(5) if w.rank == 0 else torch.arange(0), 5)
+    return out
+
+
+def plant(bug: str) -> None:
+    """The bugs the noise test must catch: every rank adds its own noise, or none does."""
+    from dpadapter.per_sample import optimizers
+
+    def every_rank(self):
+        super(optimizers.DistributedNoise, self).add_noise()
+        distributed.all_reduce_sum([p.grad for p in self.params])
+
+    def none(self):
+        for p in self.params:
+            p.grad = p.summed_grad.clone().view_as(p)
+        distributed.all_reduce_sum([p.grad for p in self.params])
+
+    optimizers.DistributedNoise.add_noise = {"every-rank": every_rank, "none": none}[bug]
+
+
+def main() -> None:
+    import os
+
+    case, out = sys.argv[1], Path(sys.argv[2])
+    w = distributed.init(torch.device("cpu"))
+    args = sys.argv[3:]
+    if os.environ.get("DDP_PLANT"):
+        plant(os.environ["DDP_PLANT"])
+    if case == "releases":
+        result = releases(w)
+    elif case == "fit":
+        result = {a: fit(a, args[0], int(args[1])) for a in args[2:]}
+    elif case == "refuse":
+        result = {}
+        for a in args:
+            try:
+                fit(a, "bk", 24)
+                result[a] = None
+            except ValueError as exc:
+                result[a] = str(exc)
+    elif case == "resume":
+        path = out / "state.pt"
+        try:
+            fit(args[0], "bk", 48, resume=path, stop_after=1)
+        except KeyboardInterrupt:
+            pass
+        result = fit(args[0], "bk", 48, resume=path)
+    elif case == "crash":
+        if w.rank == 1:
+            raise RuntimeError("planted crash on rank 1")
+        result = fit("dpsgd", "bk", 48)
+    else:
+        raise SystemExit(f"unknown case {case}")
+    result["world"] = (w.rank, w.size)
+    torch.save(result, out / f"rank{w.rank}.pt")
+    distributed.shutdown()
+
+
+if __name__ == "__main__":
+    main()

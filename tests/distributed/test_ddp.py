@@ -1,0 +1,136 @@
+"""A DP job in two processes (gloo, torchrun) keeps a one-process job's guarantee (issue 39).
+
+Each test launches `ddp_worker.py` under torchrun with two CPU processes and compares what the
+ranks wrote with the same computation made here in one process: the released clipped sum (noise
+0, float64) in every per-sample mode, the noise added exactly once (a planted bug that adds it
+on every rank, or on none, fails the same comparison), the replicas equal and the ledger's
+epsilon that of one process, the refusals, the resume, and a crash on one rank failing the job.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from distributed import ddp_worker as w
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def torchrun(case: str, out: Path, *args: str, plant: str | None = None, timeout: float = 240):
+    env = {**os.environ, "PYTHONPATH": f"{REPO / 'src'}{os.pathsep}{REPO / 'tests'}"}
+    env.pop("DDP_PLANT", None)
+    if plant:
+        env["DDP_PLANT"] = plant
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           "--max-restarts=0", str(REPO / "tests/distributed/ddp_worker.py"), case, str(out),
+           *args]  # fmt: skip
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    return p, time.monotonic() - t0
+
+
+def ranks(out: Path) -> list[dict]:
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+
+
+@pytest.fixture(scope="module")
+def released(tmp_path_factory):
+    out = tmp_path_factory.mktemp("releases")
+    p, _ = torchrun("releases", out)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return ranks(out)
+
+
+@pytest.mark.parametrize("mode", w.MODES)
+def test_noise_free_release_is_one_process_clipped_sum(released, mode):
+    """Each example's clipped contribution enters the released sum once (float64)."""
+    one = w.release(mode, 0.0, torch.arange(w.TOTAL), w.TOTAL)
+    for r in released:
+        got = r[(mode, 0.0)]
+        assert torch.allclose(got, one, rtol=1e-12, atol=1e-14), (got - one).abs().max()
+
+
+@pytest.mark.parametrize("mode", w.MODES)
+def test_noise_is_added_once(released, mode):
+    """The same noise draw (rank 0's generator, the one-process seed) lands once in the sum."""
+    one = w.release(mode, 1.3, torch.arange(w.TOTAL), w.TOTAL)
+    noise_free = w.release(mode, 0.0, torch.arange(w.TOTAL), w.TOTAL)
+    assert (one - noise_free).std() > 0.5  # the noise is there at all: std 1.3 * C = 0.65
+    for r in released:
+        assert torch.allclose(r[(mode, 1.3)], one, rtol=1e-12, atol=1e-12)
+
+
+def test_an_empty_local_batch_joins_the_release(released):
+    one = w.release("bk", 0.0, torch.arange(5), 5)
+    for r in released:
+        assert torch.allclose(r["empty"], one, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("bug", ["every-rank", "none"])
+def test_the_noise_test_sees_noise_added_on_every_rank_or_on_none(tmp_path, bug):
+    p, _ = torchrun("releases", tmp_path, plant=bug)
+    assert p.returncode == 0, p.stderr[-3000:]
+    one = w.release("bk", 1.3, torch.arange(w.TOTAL), w.TOTAL)
+    got = ranks(tmp_path)[0][("bk", 1.3)]
+    assert not torch.allclose(got, one, rtol=1e-6, atol=1e-6)
+
+
+ALLOWED = ("dpsgd", "dpsat", "dpsat-momentum", "dpsam", "adpalloc")
+
+
+@pytest.fixture(scope="module")
+def fits(tmp_path_factory):
+    out = tmp_path_factory.mktemp("fits")
+    p, _ = torchrun("fit", out, "bk", "24", *ALLOWED)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return ranks(out)
+
+
+@pytest.mark.parametrize("algo", ALLOWED)
+def test_replicas_stay_equal_and_epsilon_is_one_process(fits, algo):
+    """24 examples at q = 1/8 (expected 1.5 per rank): local batches are often empty."""
+    r0, r1 = fits[0][algo], fits[1][algo]
+    assert torch.equal(r0["weights"], r1["weights"])  # one release, one update, on both
+    one = w.fit(algo, "bk", 24)
+    assert r0["history"] == one["history"]  # the same (q, sigma, steps) records
+    assert r0["epsilon"] == one["epsilon"] == r1["epsilon"]
+    assert not torch.equal(r0["weights"], one["weights"])  # two samplers, not one: it did run
+
+
+def test_algorithms_that_cannot_run_across_processes_are_refused(tmp_path):
+    p, _ = torchrun("refuse", tmp_path, "gep", "adpclip", "dpsgd")
+    assert p.returncode == 0, p.stderr[-3000:]
+    got = ranks(tmp_path)[0]
+    assert "cannot run in 2 processes" in got["gep"] and "anchor" in got["gep"]
+    assert "cannot run in 2 processes" in got["adpclip"] and "count" in got["adpclip"]
+    assert got["dpsgd"] is None
+
+
+def test_a_killed_job_resumes_to_the_uninterrupted_run(tmp_path):
+    """Killed after epoch 1's state was saved, resumed: each rank's sampler and RNG come back
+    (rank 1's own, not rank 0's), so the weights and the ledger are the uninterrupted run's."""
+    p, _ = torchrun("resume", tmp_path, "dpsgd")
+    assert p.returncode == 0, p.stderr[-3000:]
+    resumed = ranks(tmp_path)
+    p2, _ = torchrun("fit", tmp_path / "straight", "bk", "48", "dpsgd")
+    assert p2.returncode == 0, p2.stderr[-3000:]
+    whole = ranks(tmp_path / "straight")
+    for r in (0, 1):
+        assert torch.equal(resumed[r]["weights"], whole[r]["dpsgd"]["weights"])
+        assert resumed[r]["history"] == whole[r]["dpsgd"]["history"]
+
+
+def test_a_crash_on_one_rank_fails_the_job_without_a_hang(tmp_path):
+    p, took = torchrun("crash", tmp_path, timeout=120)
+    assert p.returncode != 0
+    assert "planted crash on rank 1" in p.stderr + p.stdout
+    assert not (tmp_path / "rank0.pt").exists()  # rank 0 never finished alone
+    assert took < 90, took
