@@ -76,6 +76,8 @@ def training_job(
         "stage": stage,
         "wildcards": wildcards,
         "device": devices.describe(dev),
+        # processes of the job (finetune.processes: torchrun, dpadapter.distributed)
+        "processes": distributed.world().size,
         # seeded (reproducible) or secret (the OS's source) noise and sampling; docs/privacy.md
         "randomness": cfg.privacy.randomness_record(),
     }

@@ -1,0 +1,76 @@
+"""`finetune.processes: 2` through the command line: the job re-launches itself under torchrun,
+rank 0 writes its files once, and its privacy record is a one-process job's (issue 39)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from tiny_config import TINY_RAW
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _run(config: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "DPADAPTER_PREFORK": "0"}
+    cmd = [sys.executable, "-m", "dpadapter", "--config", str(config), *args]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
+
+
+def _config(tmp_path: Path, processes: int, **finetune) -> Path:
+    raw = copy.deepcopy(TINY_RAW)
+    raw.update(results_dir=str(tmp_path / f"results{processes}"), device="cpu")
+    raw["tracking"] = {"enabled": False}
+    raw["finetune"].update(processes=processes, **finetune)
+    path = tmp_path / f"config{processes}.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def test_two_processes_give_one_process_privacy_and_one_set_of_files(tmp_path):
+    ckpt_dir = tmp_path / "pretrain"
+    p = _run(_config(tmp_path, 1), "pretrain", "--method", "scratch", "--out", str(ckpt_dir))
+    assert p.returncode == 0, p.stderr[-3000:]
+    job = ["--upstream", "scratch", "--task", "syn-shift", "--algo", "dpsat", "--eps", "1"]
+    job += ["--seed", "0", "--ckpt", str(ckpt_dir / "model.pt")]
+    got = {}
+    for k in (1, 2):
+        out = tmp_path / f"job{k}"
+        p = _run(_config(tmp_path, k), "finetune", *job, "--out", str(out))
+        assert p.returncode == 0, p.stderr[-4000:]
+        assert sorted(f.name for f in out.iterdir()) == ["metrics.json", "model.pt"]
+        got[k] = json.loads((out / "metrics.json").read_text())
+        assert got[k]["processes"] == k  # it did run in k processes
+        assert p.stdout.count("test accuracy") == 1  # rank 0's line only
+    one, two = got[1]["privacy"], got[2]["privacy"]
+    assert two["epsilon"] == one["epsilon"] <= 1.0
+    assert two["history"] == one["history"] and two["steps"] == one["steps"]
+    assert two["sample_rate"] == one["sample_rate"]
+
+
+def test_a_config_asking_processes_for_a_refused_algorithm_fails_before_any_job(tmp_path):
+    p = _run(_config(tmp_path, 2, algorithms=["dpsgd", "gep"]), "validate")
+    assert p.returncode == 2
+    assert "finetune.processes: 2 processes cannot run 'gep'" in p.stderr
+    ok = _run(_config(tmp_path, 2, algorithms=["dpsgd", "dpsat"]), "validate")
+    assert ok.returncode == 0, ok.stderr
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5])
+def test_processes_must_be_a_positive_integer(tmp_path, bad):
+    p = _run(_bad(tmp_path, bad), "validate")
+    assert p.returncode == 2 and "processes" in p.stderr
+
+
+def _bad(tmp_path: Path, value) -> Path:
+    raw = copy.deepcopy(TINY_RAW)
+    raw["finetune"]["processes"] = value
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
