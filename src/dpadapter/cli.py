@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.stage == "validate":
         print("config OK")
         return 0
-    processes = cfg.finetune.processes if args.stage == "finetune" else 1
+    processes = cfg.finetune.processes if _trains_privately(args) else 1
     if processes > 1 and "WORLD_SIZE" not in os.environ:
         # the job again as `processes` processes under torchrun (dpadapter.distributed), which
         # fails the whole job when one of them fails
@@ -124,6 +124,17 @@ def main(argv: list[str] | None = None) -> int:
 
             distributed.shutdown()
     return 0
+
+
+# The commands that train one DP model through `dp_fit` (`finetune.processes` applies to them):
+# fine-tuning and the HPO's network trials, final runs and baselines.
+HPO_TRAINING_STEPS = ("trial", "final", "random-search", "grid-run")
+
+
+def _trains_privately(args: argparse.Namespace) -> bool:
+    if args.stage == "finetune":
+        return True
+    return args.stage == "hpo" and getattr(args, "hpo_step", None) in HPO_TRAINING_STEPS
 
 
 def _dispatch(args: argparse.Namespace, cfg) -> None:

@@ -20,7 +20,11 @@ from dpadapter.settings import Config
 
 
 def write_json(path: str | Path, payload: dict[str, Any]) -> None:
-    atomic.write_text(path, json.dumps(payload, indent=2, sort_keys=False, default=float) + "\n")
+    """Atomically; in a job of several processes from rank 0 only (the others' are equal)."""
+    if distributed.world().writer:
+        atomic.write_text(
+            path, json.dumps(payload, indent=2, sort_keys=False, default=float) + "\n"
+        )
 
 
 def process_resources() -> dict[str, float]:

@@ -74,3 +74,52 @@ def _bad(tmp_path: Path, value) -> Path:
     path = tmp_path / "bad.yaml"
     path.write_text(yaml.safe_dump(raw))
     return path
+
+
+HPO = {
+    "regime": "network",
+    "upstreams": ["scratch"],
+    "tasks": ["syn-shift"],
+    "algorithms": ["dpsgd"],
+    "seeds": [0],
+    "target_epsilon": 1.2,
+    "sweep_epsilons": [0.2, 0.3],
+    "trials_per_sweep": 2,
+    "lr_range": [0.05, 1.0],
+    "steps_range": [4, 5],
+    "grid_size": 3,
+    "selection": "exponential",
+    "selection_epsilon": 0.1,
+}
+
+
+def test_an_hpo_trial_in_two_processes_keeps_its_planned_releases(tmp_path):
+    """The HPO's trials train through the same loop: with processes: 2 a trial's ledger is
+    still its plan's (the trial itself refuses otherwise) and one metrics.json is written."""
+    configs = {}
+    for k in (1, 2):
+        raw = copy.deepcopy(TINY_RAW)
+        raw.update(results_dir=str(tmp_path / "results"), device="cpu", hpo=HPO)
+        raw["privacy"]["accountant"] = "rdp"
+        raw["tracking"] = {"enabled": False}
+        raw["finetune"]["processes"] = k
+        configs[k] = tmp_path / f"hpo{k}.yaml"
+        configs[k].write_text(yaml.safe_dump(raw))
+    ckpt = tmp_path / "pretrain"
+    p = _run(configs[1], "pretrain", "--method", "scratch", "--out", str(ckpt))
+    assert p.returncode == 0, p.stderr[-3000:]
+    plan = tmp_path / "plan.json"
+    p = _run(configs[1], "hpo", "plan", "--upstream", "scratch", "--task", "syn-shift",
+             "--algo", "dpsgd", "--seed", "0", "--out", str(plan))  # fmt: skip
+    assert p.returncode == 0, p.stderr[-3000:]
+    got = {}
+    for k in (1, 2):
+        out = tmp_path / f"trial{k}"
+        p = _run(configs[k], "hpo", "trial", "--plan", str(plan), "--sweep", "1", "--trial", "0",
+                 "--ckpt", str(ckpt / "model.pt"), "--out", str(out))  # fmt: skip
+        assert p.returncode == 0, p.stderr[-4000:]
+        assert sorted(f.name for f in out.iterdir()) == ["metrics.json"]
+        got[k] = json.loads((out / "metrics.json").read_text())
+        assert got[k]["processes"] == k
+    assert got[2]["privacy"]["history"] == got[1]["privacy"]["history"]
+    assert got[2]["privacy"]["epsilon"] == got[1]["privacy"]["epsilon"]

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dpadapter import atomic
+from dpadapter import atomic, distributed
 from dpadapter.models import create_model
 from dpadapter.models.input_adapter import AdapterSpec, adapt
 from dpadapter.settings import ModelConfig
@@ -88,8 +88,10 @@ def save_model(
         buf,
     )
     data = buf.getvalue()
-    # never a half-written checkpoint under the final name, nor one of two concurrent writers'
-    atomic.write_bytes(path, data, fsync=True)
+    # never a half-written checkpoint under the final name, nor one of two concurrent writers';
+    # in a job of several processes the replicas are equal and rank 0 alone writes
+    if distributed.world().writer:
+        atomic.write_bytes(path, data, fsync=True)
     return {"file": path.name, "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
 
 

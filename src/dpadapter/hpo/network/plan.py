@@ -50,9 +50,10 @@ def load_plan(cfg: Config, path: Path) -> dict:
 
 
 def log_to_parent(cfg: Config, parent_run_id: str | None, metrics: dict[str, float]) -> None:
-    from dpadapter import tracking
+    from dpadapter import distributed, tracking
 
-    tracking.log_metrics_to(cfg.tracking, cfg.results_dir, parent_run_id, metrics)
+    if distributed.world().writer:  # a job of several processes logs once, from rank 0
+        tracking.log_metrics_to(cfg.tracking, cfg.results_dir, parent_run_id, metrics)
 
 
 def plan(cfg: Config, upstream: str, task: str, algo: str, seed: int, out: Path) -> dict:
