@@ -101,12 +101,9 @@ def main(argv: list[str] | None = None) -> int:
     if processes > 1 and "WORLD_SIZE" not in os.environ:
         # the job again as `processes` processes under torchrun (dpadapter.distributed), which
         # fails the whole job when one of them fails
-        from dpadapter.distributed import torchrun_command
+        from dpadapter.distributed import run_torchrun
 
-        cmd = torchrun_command(processes, list(sys.argv[1:] if argv is None else argv))
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os.execv(cmd[0], cmd)
+        return run_torchrun(processes, list(sys.argv[1:] if argv is None else argv))
     from dpadapter.tracking import TrackingError
 
     try:

@@ -104,6 +104,28 @@ def torchrun_command(processes: int, argv: list[str]) -> list[str]:
     ]
 
 
+def run_torchrun(processes: int, argv: list[str]) -> int:
+    """Run the job under torchrun and return its status; SIGTERM, SIGINT and SIGHUP go on to
+    torchrun, which stops every rank. A child process, not `exec`: the process that launched
+    the job (the fork server's child, `dpadapter.supervise`'s) reports the status itself."""
+    import signal
+    import subprocess
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    proc = subprocess.Popen(torchrun_command(processes, argv))
+
+    def forward(signum, _frame) -> None:
+        proc.send_signal(signum)
+
+    before = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+    try:
+        return proc.wait()
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
+
+
 def all_reduce_sum(tensors: list[torch.Tensor]) -> None:
     """In place, every rank ends with the element-wise sum over the ranks (one collective)."""
     if not world().multi or not tensors:
