@@ -97,7 +97,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.stage == "validate":
         print("config OK")
         return 0
-    processes = cfg.finetune.processes if _trains_privately(args) else 1
+    processes = 1
+    if _trains_privately(args):
+        processes = cfg.finetune.processes
+    elif args.stage in ("warmup", "pretrain"):
+        processes = cfg.pretrain_processes
     if processes > 1 and "WORLD_SIZE" not in os.environ:
         # the job again as `processes` processes under torchrun (dpadapter.distributed), which
         # fails the whole job when one of them fails

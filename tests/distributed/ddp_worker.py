@@ -122,6 +122,31 @@ def plant(bug: str) -> None:
     optimizers.DistributedNoise.add_noise = {"every-rank": every_rank, "none": none}[bug]
 
 
+UPSTREAM_PARAMS = {
+    "sam": {"epochs": 1, "max_steps": 6, "m": 16, "gamma": 0.5, "lr": 0.05, "milestones": []},
+    "dpadapter": {
+        "epochs": 1, "max_steps": 6, "m1": 40, "m2": 16, "gamma": 0.5, "lr": 0.05,
+        "milestones": [], "chunk_size": 7,
+    },
+}  # fmt: skip
+
+
+def pretrain(method: str) -> dict:
+    """Non-private training as the warm-up (`standard`: sgd_train's standard step) and the
+    upstream methods run it, on a public set of 48: the updates a one-process run makes."""
+    from dpadapter.settings import SGDConfig
+    from dpadapter.train.loops import sgd_train
+    from dpadapter.upstream import UPSTREAMS
+
+    m, public = model(), data(48, seed=3)
+    if method == "standard":
+        sgd_train(m, public, SGDConfig(epochs=2, batch_size=12, lr=0.05, momentum=0.9), seed=0)
+    else:
+        up = UPSTREAMS[method](UPSTREAM_PARAMS[method])
+        sgd_train(m, public, up.sgd_config(), seed=0, step=up.make_step(public, 0))
+    return {"weights": torch.cat([p.detach().reshape(-1) for p in m.parameters()])}
+
+
 def main() -> None:
     import os
 
@@ -142,6 +167,8 @@ def main() -> None:
                 result[a] = None
             except ValueError as exc:
                 result[a] = str(exc)
+    elif case == "pretrain":
+        result = {name: pretrain(name) for name in args}
     elif case == "resume":
         path = out / "state.pt"
         try:

@@ -134,3 +134,27 @@ def test_a_crash_on_one_rank_fails_the_job_without_a_hang(tmp_path):
     assert "planted crash on rank 1" in p.stderr + p.stdout
     assert not (tmp_path / "rank0.pt").exists()  # rank 0 never finished alone
     assert took < 90, took
+
+
+PRETRAIN = ("standard", "sam", "dpadapter")
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory):
+    out = tmp_path_factory.mktemp("pretrain")
+    p, _ = torchrun("pretrain", out, *PRETRAIN)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return ranks(out)
+
+
+@pytest.mark.parametrize("method", PRETRAIN)
+def test_pre_training_in_two_processes_makes_the_one_process_updates(pretrained, method):
+    """Warm-up's SGD, SAM's perturbation and DPAdapter's B1 gradient split over two ranks
+    (pretrain.processes): the same weights as one process, up to the order of the sums."""
+    one = w.pretrain(method)["weights"]
+    r0, r1 = pretrained[0][method]["weights"], pretrained[1][method]["weights"]
+    assert torch.equal(r0, r1)  # the replicas made the same updates
+    assert torch.allclose(r0, one, rtol=1e-4, atol=1e-5), (r0 - one).abs().max()
+    start = w.model()
+    trained = torch.cat([p.detach().reshape(-1) for p in start.parameters()])
+    assert not torch.allclose(one, trained)  # it trained at all

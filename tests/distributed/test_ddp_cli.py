@@ -123,3 +123,26 @@ def test_an_hpo_trial_in_two_processes_keeps_its_planned_releases(tmp_path):
         assert got[k]["processes"] == k
     assert got[2]["privacy"]["history"] == got[1]["privacy"]["history"]
     assert got[2]["privacy"]["epsilon"] == got[1]["privacy"]["epsilon"]
+
+
+def test_a_warm_up_job_in_two_processes_trains_the_one_process_weights(tmp_path):
+    """pretrain.processes: 2 re-launches a warm-up job under torchrun; rank 0 writes its files
+    once and the weights are one process's up to the order of the sums."""
+    import torch
+
+    weights = {}
+    for k in (1, 2):
+        raw = copy.deepcopy(TINY_RAW)
+        raw.update(results_dir=str(tmp_path / f"results{k}"), device="cpu")
+        raw["tracking"] = {"enabled": False}
+        raw["pretrain"]["processes"] = k
+        config = tmp_path / f"warm{k}.yaml"
+        config.write_text(yaml.safe_dump(raw))
+        out = tmp_path / f"warmup{k}"
+        p = _run(config, "warmup", "--out", str(out))
+        assert p.returncode == 0, p.stderr[-4000:]
+        assert sorted(f.name for f in out.iterdir()) == ["metrics.json", "model.pt"]
+        assert json.loads((out / "metrics.json").read_text())["processes"] == k
+        state = torch.load(out / "model.pt", weights_only=False)["state_dict"]
+        weights[k] = torch.cat([v.reshape(-1).double() for v in state.values()])
+    assert torch.allclose(weights[2], weights[1], rtol=1e-3, atol=1e-4)

@@ -65,6 +65,9 @@ class Config:
     audit: AuditConfig = field(default_factory=AuditConfig)
     # `pretrain.external`: label -> params of the `external` method (dpadapter.upstream.resolve)
     external_upstreams: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # `pretrain.processes`: processes (GPUs) of a warm-up or pre-training job; > 1 runs it under
+    # torchrun, each rank on its rows of every batch (dpadapter.train.loops.mean_loss_backward)
+    pretrain_processes: int = 1
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -147,6 +150,7 @@ def from_dict(raw: dict[str, Any], validate: bool = True) -> Config:
         ),
         audit=parse_audit(raw.get("audit", {})),
         external_upstreams={k: dict(v) for k, v in pre.get("external", {}).items()},
+        pretrain_processes=int(pre.get("processes", 1)),
     )
     return cfg
 

@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from tqdm.auto import tqdm
 
 from dpadapter import device as devices
+from dpadapter import distributed
 from dpadapter.device import to
 from dpadapter.settings import SGDConfig
 from dpadapter.train.batching import ShuffledBatches
@@ -81,14 +82,43 @@ def model_device(model: nn.Module) -> torch.device:
     return p.device if p is not None else torch.device("cpu")
 
 
+def mean_loss_backward(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """`cross_entropy(model(x), y).backward()`; returns the (detached) mean loss.
+
+    In a job of several processes (`pretrain.processes`, torchrun) every rank holds the same
+    batch and model; each takes its rows r, r + k, ... of the batch, back-propagates its part of
+    the batch's mean (sum over its rows / the batch size) and the gradients are summed over the
+    ranks in one all-reduce: every rank gets the whole batch's mean gradient (up to the order of
+    the sums) and makes the same update, so the replicas stay equal. One process: unchanged.
+    """
+    w = distributed.world()
+    if not w.multi:
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        return loss.detach()
+    params = [p for p in model.parameters() if p.requires_grad]
+    xs, ys = x[w.rank :: w.size], y[w.rank :: w.size]
+    if len(ys):
+        loss = nn.functional.cross_entropy(model(xs), ys, reduction="sum") / len(y)
+        loss.backward()
+        local = loss.detach().reshape(1).clone()
+    else:  # fewer rows than ranks: this rank adds nothing
+        local = torch.zeros(1, device=params[0].device, dtype=params[0].dtype)
+    for p in params:  # the same tensors on every rank for the one all-reduce
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    distributed.all_reduce_sum([p.grad for p in params])
+    distributed.all_reduce_sum([local])
+    return local.reshape(())
+
+
 def standard_step(
     model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor
 ) -> float:
     opt.zero_grad(set_to_none=True)
-    loss = nn.functional.cross_entropy(model(x), y)
-    loss.backward()
+    loss = mean_loss_backward(model, x, y)
     opt.step()
-    return float(loss.detach())
+    return float(loss)
 
 
 def make_sgd(model: nn.Module, cfg: SGDConfig):
@@ -165,6 +195,8 @@ def sgd_train(
 
     def save(epoch: int, batch: int, loader_rng: torch.Tensor) -> None:
         assert resume is not None
+        if not distributed.world().writer:
+            return  # the ranks' states are equal (same seeds, same updates): rank 0 saves
         resume.save(
             {
                 "epoch": epoch,

@@ -64,6 +64,7 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
+from dpadapter import distributed
 from dpadapter.device import Place, gather, to
 from dpadapter.param_schema import (
     FRACTION,
@@ -74,7 +75,7 @@ from dpadapter.param_schema import (
     nullable,
 )
 from dpadapter.settings import SGDConfig
-from dpadapter.train.loops import sgd_train
+from dpadapter.train.loops import mean_loss_backward, sgd_train
 from dpadapter.upstream.base import UpstreamContext, UpstreamMethod
 
 # The seed of the B1 sampler is derived from the run seed and this label, so B1 never shares a
@@ -140,6 +141,14 @@ def batch_gradient(
     n = len(y) if index is None else len(index)
     if n == 0:
         raise ValueError("empty perturbation batch")
+    # A job of several processes (pretrain.processes): every rank drew the same batch; each
+    # takes its rows r, r + k, ... and the parts (sums over its rows / n) are summed over the
+    # ranks: the same full-batch mean gradient, computed k times faster.
+    w = distributed.world()
+    if w.multi and index is None:
+        x, y = x[w.rank :: w.size], y[w.rank :: w.size]
+    elif w.multi:
+        index = index[w.rank :: w.size]
     grads = [torch.zeros_like(p) for p in params]
     total = 0.0
     for xc, yc in _chunks(x, y, index, chunk_size, params[0].device):
@@ -147,6 +156,11 @@ def batch_gradient(
         for acc, g in zip(grads, torch.autograd.grad(loss, params), strict=True):
             acc.add_(g)
         total += float(loss.detach())
+    if w.multi:
+        distributed.all_reduce_sum(grads)
+        summed = torch.tensor([total], dtype=torch.float64, device=grads[0].device)
+        distributed.all_reduce_sum([summed])
+        total = float(summed)
     return grads, total
 
 
@@ -328,8 +342,7 @@ class PerturbedStep:
                 p.add_(d)  # Alg. 1 line 9: theta + Delta
         opt.zero_grad(set_to_none=True)
         try:
-            loss = nn.functional.cross_entropy(model(x), y)
-            loss.backward()  # Alg. 1 line 10: grad L_B2 at theta + Delta
+            loss = mean_loss_backward(model, x, y)  # Alg. 1 line 10: grad L_B2 at theta + Delta
         finally:
             with torch.no_grad():
                 for p, s in zip(params, saved, strict=True):
