@@ -11,7 +11,9 @@ The node is declared with 2 GPUs, >= 16 CPUs and >= 40 GB (`SlurmdParameters=con
 only the scheduler's bookkeeping, nothing is enforced with proctrack/linuxproc and task/none),
 so the jobs request exactly what the profile asks for on a real GPU cluster: `--gpus=1` for
 training, a CPU partition for aggregation, the per-rule time limits and memory. The "GPUs" are
-/dev/null and /dev/zero: Slurm only hands their indices out (CUDA_VISIBLE_DEVICES).
+/dev/null and /dev/zero: Slurm only hands their indices out (CUDA_VISIBLE_DEVICES). Two of them
+let a fine-tuning job of `finetune.processes: 2` ask for `--gpus=2` on the one node, as it
+would on a GPU cluster; its config says `device: cpu`, so its two processes train on gloo.
 """
 
 from __future__ import annotations
@@ -259,9 +261,11 @@ def test_profile_runs_the_pipeline_through_sbatch(slurm_cluster, tiny_raw, tmp_p
         assert job["Account"] == _value(res["slurm_account"])
         if rule not in per_rule or "runtime" not in per_rule[rule]:
             continue  # a rule the profile does not size keeps its own resources
-        assert wants_gpu == bool(res["gpu"]), job
+        gpus = res.get("gpu", 1 if rule == "finetune" else 0)  # finetune: its rule's processes
+        assert wants_gpu == bool(gpus), job
         if wants_gpu:
-            assert job["TresPerJob"] in ("gres:gpu:1", "gres/gpu:1"), job
+            assert job["TresPerJob"] in (f"gres:gpu:{gpus}", f"gres/gpu:{gpus}"), job
+            assert job["NumNodes"] == "1", job
         assert _minutes(job["TimeLimit"]) == _value(res["runtime"])
         assert job["MinMemoryNode"] == f"{_value(res['mem_mb'])}M"
         assert int(job["NumCPUs"]) == PROFILE["set-threads"][rule]
@@ -305,3 +309,91 @@ def test_profile_runs_the_pipeline_through_sbatch(slurm_cluster, tiny_raw, tmp_p
     w_here = torch.load(wd / "local" / "model.pt", weights_only=False)["state_dict"]
     w_slurm = torch.load(wd / job_dir / "model.pt", weights_only=False)["state_dict"]
     assert all(torch.allclose(w_here[k], w_slurm[k], atol=1e-6) for k in w_slurm)
+
+
+def test_one_job_in_two_processes_through_the_profile(slurm_cluster, tiny_raw, tmp_path):
+    """`finetune.processes: 2` through the unchanged profile: the fine-tuning job's allocation
+    (a group of one) asks for 2 GPUs on one node, which the test node's two stand-in GPUs give;
+    with `device: cpu` the two processes train on gloo. One metrics.json, written by rank 0,
+    with the epsilon of the same job in one process."""
+    raw = tiny_raw
+    raw["device"] = "cpu"  # the node's "GPUs" are /dev/null and /dev/zero
+    raw["tasks"] = {"syn-shift": raw["tasks"]["syn-shift"]}
+    raw["pretrain"]["methods"] = ["scratch"]  # no warm-up: pre-training, then one fine-tuning
+    raw["finetune"]["epsilons"] = [4]
+    raw["finetune"]["epochs"] = 1
+    raw["finetune"]["processes"] = 2
+    wd = tiny_workdir(tmp_path / "wd", raw)
+    root = tmp_path / "root"
+    root.mkdir()
+    (root / "slurm").symlink_to(REPO / "slurm")
+    job_dir = Path("results/finetune/scratch/syn-shift/dpsgd/eps4/seed0")
+    cmd = [
+        str(VENV_BIN / "python"), str(STEADY_POLL), "--profile", "slurm",
+        "--snakefile", str(REPO / "Snakefile"), "--directory", str(wd),
+        "--slurm-status-command", "squeue", "--slurm-init-seconds-before-status-checks", "1",
+        "--seconds-between-status-checks", "1", "--slurm-keep-successful-logs",
+        "--jobs", "2", "--retries", "0", "--latency-wait", "10",
+        str(job_dir / "metrics.json"),
+    ]  # fmt: skip
+    # torchrun's own per-rank logs (its `--log-dir`, through the variable that carries the
+    # rendezvous options of several nodes: the job's environment reaches it under Slurm).
+    ranks = wd / "torchrun"
+    env = job_env(wd, DPADAPTER_TORCHRUN_ARGS=f"--standalone --log-dir {ranks} --tee 3")
+    r = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=900)
+    log = r.stdout + r.stderr
+    assert r.returncode == 0, log[-6000:]
+
+    # Two sbatch jobs of this run (the cluster also lists the earlier test's): the pre-training
+    # on one GPU, the fine-tuning group on two GPUs of one node.
+    submitted = re.findall(r"has been submitted with SLURM jobid (\d+)", log)
+    jobs = {j["Comment"]: j for j in _jobs() if j["JobId"] in submitted}
+    assert sorted(jobs) == ["rule_finetune-scratch_finetune", "rule_pretrain_wildcards_scratch"]
+    assert all(j["JobState"] == "COMPLETED" for j in jobs.values()), jobs
+    ft, pre = jobs["rule_finetune-scratch_finetune"], jobs["rule_pretrain_wildcards_scratch"]
+    assert ft["TresPerJob"] in ("gres:gpu:2", "gres/gpu:2"), ft
+    assert ft["NumNodes"] == "1" and ft["Partition"] == "gpu", ft
+    assert pre["TresPerJob"] in ("gres:gpu:1", "gres/gpu:1"), pre
+
+    # Two processes, one attempt (torchrun writes a folder per local rank); one metrics.json,
+    # rank 0's: rank 1 reports nothing.
+    attempts = sorted(p.relative_to(ranks).parts[1:] for p in ranks.glob("*/attempt_*/*"))
+    assert attempts == [("attempt_0", "0"), ("attempt_0", "1")], attempts
+    rank1 = next(ranks.glob("*/attempt_0/1/stdout.log")).read_text()
+    assert "test accuracy" not in rank1 and "test accuracy" in log_of(wd, job_dir)
+    written = sorted((wd / "results" / "finetune").rglob("metrics.json"))
+    assert written == [wd / job_dir / "metrics.json"], written
+    two = json.loads((wd / job_dir / "metrics.json").read_text())
+
+    # The same job in one process, with the CLI and the same checkpoint: the same epsilon.
+    merged = json.loads(next((wd / "results" / ".config").glob("*.json")).read_text())
+    assert merged["finetune"]["processes"] == 2
+    merged["finetune"]["processes"] = 1
+    (wd / "one.json").write_text(json.dumps(merged))
+    local = subprocess.run(
+        [
+            sys.executable, "-m", "dpadapter", "--config", "one.json", "finetune",
+            "--upstream", "scratch", "--task", "syn-shift", "--algo", "dpsgd", "--eps", "4",
+            "--seed", "0", "--ckpt", "results/pretrain/scratch/model.pt", "--out", "local",
+        ],
+        cwd=wd, env=job_env(wd, MLFLOW_TRACKING_URI="sqlite:///local.db"),
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert local.returncode == 0, local.stderr[-3000:]
+    one = json.loads((wd / "local" / "metrics.json").read_text())
+    # The same releases (noise multiplier, q, steps) give the same epsilon; its last bits follow
+    # the accountant's numerics (BLAS threads: torchrun sets OMP_NUM_THREADS=1).
+    assert two["privacy"]["history"] == one["privacy"]["history"]
+    assert two["privacy"]["epsilon"] == pytest.approx(one["privacy"]["epsilon"], rel=1e-12)
+    assert two["privacy"]["epsilon"] <= 4
+    # ... from other batches: rank 1 samples its shard with its own generator, so the weights
+    # are not the one-process run's (they would be, had the job run in one process)
+    w_two = torch.load(wd / job_dir / "model.pt", weights_only=False)["state_dict"]
+    w_one = torch.load(wd / "local" / "model.pt", weights_only=False)["state_dict"]
+    assert any(not torch.equal(w_two[k], w_one[k]) for k in w_one)
+
+
+def log_of(wd: Path, job_dir: Path) -> str:
+    """The job's own log (results/logs/finetune/...), beside its Slurm log."""
+    rel = job_dir.relative_to("results/finetune")
+    return (wd / "results" / "logs" / "finetune" / rel.parent / f"{rel.name}.log").read_text()

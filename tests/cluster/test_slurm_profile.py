@@ -1,5 +1,6 @@
 """The Slurm profile without a Slurm: every entry explained, every GPU rule sent to a GPU
-partition, and the resources Snakemake gives each job (dry run) are the profile's."""
+partition, and the resources Snakemake gives each job (dry run) are the profile's, with one
+GPU per process for fine-tuning (`finetune.processes`)."""
 
 from __future__ import annotations
 
@@ -37,10 +38,16 @@ def test_profile_settings():
     assert _value(default["slurm_account"]) and _value(default["slurm_partition"])
     per_rule = PROFILE["set-resources"]
     for rule in ("warmup", "pretrain", "finetune"):
-        assert per_rule[rule]["gpu"] == 1
         assert _value(per_rule[rule]["slurm_partition"]) != _value(default["slurm_partition"])
         assert {"runtime", "mem_mb"} <= set(per_rule[rule])
+    assert per_rule["warmup"]["gpu"] == per_rule["pretrain"]["gpu"] == 1
+    # fine-tuning keeps its rule's gpu=finetune.processes: a fixed entry here would win over it
+    assert "gpu" not in per_rule["finetune"]
     assert per_rule["aggregate"]["gpu"] == 0 and "slurm_partition" not in per_rule["aggregate"]
+    # The limit inside a group allocation counts GPU jobs, not GPUs: a limit of gpu=1 would
+    # refuse a group of k-GPU jobs ("Error grouping resources ... gpu: 2/1").
+    assert PROFILE["resources"] == ["gpu_jobs=1"]
+    assert PROFILE["set-resource-scopes"] == ["gpu_jobs=local"]
 
 
 def _gpu_rules() -> set[str]:
@@ -83,9 +90,9 @@ def _dry_run_jobs(output: str) -> list[tuple[str, int, dict[str, str]]]:
     return jobs
 
 
-@pytest.mark.slow
-def test_dry_run_jobs_get_the_profile_resources(tiny_raw, tmp_path):
-    wd = tiny_workdir(tmp_path / "wd", tiny_raw)
+def _profile_dry_run(tmp_path: Path, raw: dict) -> list[tuple[str, int, dict[str, str]]]:
+    """The jobs of `snakemake --profile slurm -n` on `raw`, as `_dry_run_jobs` reads them."""
+    wd = tiny_workdir(tmp_path / "wd", raw)
     root = tmp_path / "root"
     root.mkdir()
     (root / "slurm").symlink_to(REPO / "slurm")  # `--profile slurm` from a repository root
@@ -95,7 +102,12 @@ def test_dry_run_jobs_get_the_profile_resources(tiny_raw, tmp_path):
         cwd=root, env=job_env(wd), capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
-    jobs = _dry_run_jobs(r.stdout + r.stderr)
+    return _dry_run_jobs(r.stdout + r.stderr)
+
+
+@pytest.mark.slow
+def test_dry_run_jobs_get_the_profile_resources(tiny_raw, tmp_path):
+    jobs = _profile_dry_run(tmp_path, tiny_raw)
     seen = {rule for rule, _, _ in jobs}
     assert {"warmup", "pretrain", "finetune", "aggregate"} <= seen
     default = PROFILE["default-resources"]
@@ -107,8 +119,28 @@ def test_dry_run_jobs_get_the_profile_resources(tiny_raw, tmp_path):
         assert res["slurm_account"] == _value(want["slurm_account"]), rule
         assert int(res["runtime"]) == _value(want["runtime"]), rule
         assert int(res["mem_mb"]) == _value(want["mem_mb"]), rule
-        assert int(res.get("gpu", 0)) == want.get("gpu", 0), rule
+        # finetune: its rule's one GPU per process (1 by default) on one node
+        assert int(res.get("gpu", 0)) == want.get("gpu", 1 if rule == "finetune" else 0), rule
+        if int(res.get("gpu", 0)):
+            assert res["nodes"] == "1" and res["gpu_jobs"] == "1", rule
         assert threads == min(PROFILE["set-threads"][rule], PROFILE["cores"]), rule
+
+
+@pytest.mark.slow
+def test_dry_run_finetune_gets_one_gpu_per_process(tiny_raw, tmp_path):
+    """`finetune.processes: 2` asks for 2 GPUs on one node per fine-tuning job (sbatch
+    --gpus=2 --nodes=1), with the profile unchanged; the other GPU rules keep one."""
+    tiny_raw["finetune"]["processes"] = 2
+    jobs = _profile_dry_run(tmp_path, tiny_raw)
+    finetune = [res for rule, _, res in jobs if rule == "finetune"]
+    assert len(finetune) == 8, jobs  # 2 upstreams x 2 tasks x 2 epsilons, in their groups
+    for res in finetune:
+        assert (res["gpu"], res["nodes"], res["gpu_jobs"]) == ("2", "1", "1"), res
+        assert res["slurm_partition"] == _value(
+            PROFILE["set-resources"]["finetune"]["slurm_partition"]
+        )
+    others = {rule: res["gpu"] for rule, _, res in jobs if rule in ("warmup", "pretrain")}
+    assert set(others) == {"warmup", "pretrain"} and set(others.values()) == {"1"}, others
 
 
 def test_profile_dir_is_found_from_the_repository_root():

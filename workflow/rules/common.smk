@@ -141,7 +141,7 @@ def out_dir(wildcards, output):
 # so no colon follows the word "rule" on one line):
 #   conda      PIPELINE_ENV, its env under `--sdm conda`
 #   params     **JOB_PARAMS, the plumbing above, then the rule's own
-#   resources  **cpu_job(...) or **gpu_job(...)
+#   resources  **cpu_job(...) or **gpu_job(...) (gpus=FINETUNE_GPUS for fine-tuning)
 # A rule's own params and its shell command stay in its file, unchanged: a changed params value
 # or command would rerun every finished job of the rule (Snakemake's rerun triggers).
 PIPELINE_ENV = "../../envs/pipeline.yaml"  # relative to the rule files, as Snakemake reads it
@@ -154,10 +154,19 @@ def cpu_job(mem_mb=1000, runtime=10):
     return {"gpu": 0, "mem_mb": mem_mb, "runtime": runtime}
 
 
-def gpu_job(mem_mb, runtime):
-    """Resources of a job that trains on one GPU (the Slurm profile sends it to a GPU
-    partition: tests/cluster/test_slurm_profile.py)."""
-    return {"gpu": 1, "mem_mb": mem_mb, "runtime": runtime}
+def gpu_job(mem_mb, runtime, gpus=1):
+    """Resources of a job that trains on `gpus` GPUs of one node (the Slurm profile sends it to
+    a GPU partition: tests/cluster/test_slurm_profile.py). Under the slurm executor plugin
+    `gpu` becomes `sbatch --gpus=<gpus>` and `nodes` `--nodes=1` (the GPUs of a k-process
+    fine-tuning job on one node, where torchrun's standalone rendezvous finds them all).
+    `gpu_jobs` counts the job once, whatever its GPUs: the profile's limit inside a group
+    allocation (`resources: gpu_jobs=1`, scope local) lets its jobs take turns, so the group asks
+    for the GPUs of its largest job, not for their sum (docs/cluster.md, "Grouped jobs")."""
+    return {"gpu": gpus, "gpu_jobs": 1, "nodes": 1, "mem_mb": mem_mb, "runtime": runtime}
+
+
+# GPUs of one fine-tuning job: one per process (`finetune.processes`, dpadapter.distributed).
+FINETUNE_GPUS = CFG.finetune.processes
 
 
 # Inputs of the rules, kept here (the linter wants no functions in rule files). Their `fp`

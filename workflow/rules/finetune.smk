@@ -17,7 +17,7 @@ rule finetune:
         PIPELINE_ENV
     threads: 1
     resources:
-        **gpu_job(mem_mb=4000, runtime=120),
+        **gpu_job(mem_mb=4000, runtime=120, gpus=FINETUNE_GPUS),
     shell:
         "DPADAPTER_THREADS={threads} {params.python} -m dpadapter --config {params.config} finetune "
         "--upstream {wildcards.upstream} --task {wildcards.task} --algo {wildcards.algo} "
