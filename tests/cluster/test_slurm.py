@@ -261,7 +261,7 @@ def test_profile_runs_the_pipeline_through_sbatch(slurm_cluster, tiny_raw, tmp_p
         assert job["Account"] == _value(res["slurm_account"])
         if rule not in per_rule or "runtime" not in per_rule[rule]:
             continue  # a rule the profile does not size keeps its own resources
-        gpus = res.get("gpu", 1 if rule == "finetune" else 0)  # finetune: its rule's processes
+        gpus = res.get("gpu", 1 if rule in ("warmup", "pretrain", "finetune") else 0)  # processes
         assert wants_gpu == bool(gpus), job
         if wants_gpu:
             assert job["TresPerJob"] in (f"gres:gpu:{gpus}", f"gres/gpu:{gpus}"), job

@@ -1,6 +1,6 @@
 """The Slurm profile without a Slurm: every entry explained, every GPU rule sent to a GPU
 partition, and the resources Snakemake gives each job (dry run) are the profile's, with one
-GPU per process for fine-tuning (`finetune.processes`)."""
+GPU per process for fine-tuning (`finetune.processes`) and pre-training (`pretrain.processes`)."""
 
 from __future__ import annotations
 
@@ -40,9 +40,10 @@ def test_profile_settings():
     for rule in ("warmup", "pretrain", "finetune"):
         assert _value(per_rule[rule]["slurm_partition"]) != _value(default["slurm_partition"])
         assert {"runtime", "mem_mb"} <= set(per_rule[rule])
-    assert per_rule["warmup"]["gpu"] == per_rule["pretrain"]["gpu"] == 1
-    # fine-tuning keeps its rule's gpu=finetune.processes: a fixed entry here would win over it
-    assert "gpu" not in per_rule["finetune"]
+    # the training rules keep their rules' gpu (finetune.processes, pretrain.processes): a fixed
+    # entry here would win over it
+    for rule in ("warmup", "pretrain", "finetune", "hpo_trial", "hpo_final", "grid_run"):
+        assert "gpu" not in per_rule[rule], rule
     assert per_rule["aggregate"]["gpu"] == 0 and "slurm_partition" not in per_rule["aggregate"]
     # The limit inside a group allocation counts GPU jobs, not GPUs: a limit of gpu=1 would
     # refuse a group of k-GPU jobs ("Error grouping resources ... gpu: 2/1").
@@ -119,8 +120,9 @@ def test_dry_run_jobs_get_the_profile_resources(tiny_raw, tmp_path):
         assert res["slurm_account"] == _value(want["slurm_account"]), rule
         assert int(res["runtime"]) == _value(want["runtime"]), rule
         assert int(res["mem_mb"]) == _value(want["mem_mb"]), rule
-        # finetune: its rule's one GPU per process (1 by default) on one node
-        assert int(res.get("gpu", 0)) == want.get("gpu", 1 if rule == "finetune" else 0), rule
+        # training rules: their rule's one GPU per process (1 by default) on one node
+        trains = rule in ("warmup", "pretrain", "finetune")
+        assert int(res.get("gpu", 0)) == want.get("gpu", 1 if trains else 0), rule
         if int(res.get("gpu", 0)):
             assert res["nodes"] == "1" and res["gpu_jobs"] == "1", rule
         assert threads == min(PROFILE["set-threads"][rule], PROFILE["cores"]), rule
@@ -141,6 +143,19 @@ def test_dry_run_finetune_gets_one_gpu_per_process(tiny_raw, tmp_path):
         )
     others = {rule: res["gpu"] for rule, _, res in jobs if rule in ("warmup", "pretrain")}
     assert set(others) == {"warmup", "pretrain"} and set(others.values()) == {"1"}, others
+
+
+@pytest.mark.slow
+def test_dry_run_pretraining_gets_one_gpu_per_process(tiny_raw, tmp_path):
+    """`pretrain.processes: 3` asks for 3 GPUs on one node per warm-up and pre-training job;
+    fine-tuning keeps its own (one)."""
+    tiny_raw["pretrain"]["processes"] = 3
+    jobs = _profile_dry_run(tmp_path, tiny_raw)
+    for rule, _, res in jobs:
+        if rule in ("warmup", "pretrain"):
+            assert (res["gpu"], res["nodes"]) == ("3", "1"), (rule, res)
+        elif rule == "finetune":
+            assert res["gpu"] == "1", res
 
 
 def test_profile_dir_is_found_from_the_repository_root():

@@ -49,7 +49,8 @@ def test_two_processes_give_one_process_privacy_and_one_set_of_files(tmp_path):
         assert got[k]["processes"] == k  # it did run in k processes
         assert p.stdout.count("test accuracy") == 1  # rank 0's line only
     one, two = got[1]["privacy"], got[2]["privacy"]
-    assert two["epsilon"] == one["epsilon"] <= 1.0
+    # the same history; the float's last bits may follow the thread count (torchrun sets one)
+    assert two["epsilon"] == pytest.approx(one["epsilon"], rel=1e-12) and two["epsilon"] <= 1.0
     assert two["history"] == one["history"] and two["steps"] == one["steps"]
     assert two["sample_rate"] == one["sample_rate"]
 
@@ -122,7 +123,7 @@ def test_an_hpo_trial_in_two_processes_keeps_its_planned_releases(tmp_path):
         got[k] = json.loads((out / "metrics.json").read_text())
         assert got[k]["processes"] == k
     assert got[2]["privacy"]["history"] == got[1]["privacy"]["history"]
-    assert got[2]["privacy"]["epsilon"] == got[1]["privacy"]["epsilon"]
+    assert got[2]["privacy"]["epsilon"] == pytest.approx(got[1]["privacy"]["epsilon"], rel=1e-12)
 
 
 def test_a_warm_up_job_in_two_processes_trains_the_one_process_weights(tmp_path):

@@ -141,7 +141,7 @@ def out_dir(wildcards, output):
 # so no colon follows the word "rule" on one line):
 #   conda      PIPELINE_ENV, its env under `--sdm conda`
 #   params     **JOB_PARAMS, the plumbing above, then the rule's own
-#   resources  **cpu_job(...) or **gpu_job(...) (gpus=FINETUNE_GPUS for fine-tuning)
+#   resources  **cpu_job(...) or **gpu_job(...) (gpus=FINETUNE_GPUS or PRETRAIN_GPUS)
 # A rule's own params and its shell command stay in its file, unchanged: a changed params value
 # or command would rerun every finished job of the rule (Snakemake's rerun triggers).
 PIPELINE_ENV = "../../envs/pipeline.yaml"  # relative to the rule files, as Snakemake reads it
@@ -166,7 +166,10 @@ def gpu_job(mem_mb, runtime, gpus=1):
 
 
 # GPUs of one fine-tuning job: one per process (`finetune.processes`, dpadapter.distributed).
+# GPUs of a DP training job (fine-tuning, the HPO's trials, final runs and baselines) and of a
+# warm-up or pre-training job: their processes under torchrun (dpadapter.distributed)
 FINETUNE_GPUS = CFG.finetune.processes
+PRETRAIN_GPUS = CFG.pretrain_processes
 
 
 # Inputs of the rules, kept here (the linter wants no functions in rule files). Their `fp`

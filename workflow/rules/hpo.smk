@@ -66,7 +66,7 @@ rule hpo_trial:
     conda:
         PIPELINE_ENV
     resources:
-        **gpu_job(mem_mb=4000, runtime=60),
+        **gpu_job(mem_mb=4000, runtime=60, gpus=FINETUNE_GPUS),
     shell:
         "DPADAPTER_THREADS={threads} {params.python} -m dpadapter --config {params.config} hpo trial "
         "--plan {input.plan} --sweep {wildcards.sweep} --trial {wildcards.trial} "
@@ -137,7 +137,7 @@ rule hpo_final:
     conda:
         PIPELINE_ENV
     resources:
-        **gpu_job(mem_mb=4000, runtime=60),
+        **gpu_job(mem_mb=4000, runtime=60, gpus=FINETUNE_GPUS),
     shell:
         "DPADAPTER_THREADS={threads} {params.python} -m dpadapter --config {params.config} hpo final "
         "--plan {input.plan} --fit {input.fit} --sweeps {input.sweeps} --trials {input.trials} "
@@ -163,7 +163,7 @@ rule random_search:
     conda:
         PIPELINE_ENV
     resources:
-        **gpu_job(mem_mb=4000, runtime=60),
+        **gpu_job(mem_mb=4000, runtime=60, gpus=FINETUNE_GPUS),
     shell:
         "DPADAPTER_THREADS={threads} {params.python} -m dpadapter --config {params.config} hpo "
         "random-search --plan {input.plan} --ckpt {input.ckpt} --out {params.out} > {log} 2>&1"
@@ -189,7 +189,7 @@ rule grid_run:
     conda:
         PIPELINE_ENV
     resources:
-        **gpu_job(mem_mb=4000, runtime=60),
+        **gpu_job(mem_mb=4000, runtime=60, gpus=FINETUNE_GPUS),
     shell:
         "DPADAPTER_THREADS={threads} {params.python} -m dpadapter --config {params.config} hpo grid-run "
         "--plan {input.plan} --point {wildcards.point} --ckpt {input.ckpt} --out {params.out} "

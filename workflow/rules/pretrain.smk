@@ -18,7 +18,7 @@ rule pretrain:
         PIPELINE_ENV
     threads: workflow.cores
     resources:
-        **gpu_job(mem_mb=8000, runtime=720),
+        **gpu_job(mem_mb=8000, runtime=720, gpus=PRETRAIN_GPUS),
     shell:
         "DPADAPTER_THREADS={threads} {params.python} -m dpadapter --config {params.config} "
         "pretrain --method {wildcards.upstream} {params.warmup} "

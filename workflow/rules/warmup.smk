@@ -15,7 +15,7 @@ rule warmup:
         PIPELINE_ENV
     threads: workflow.cores
     resources:
-        **gpu_job(mem_mb=8000, runtime=240),
+        **gpu_job(mem_mb=8000, runtime=240, gpus=PRETRAIN_GPUS),
     shell:
         "DPADAPTER_THREADS={threads} {params.python} -m dpadapter --config {params.config} "
         "warmup --out {params.out} > {log} 2>&1"
