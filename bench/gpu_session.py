@@ -122,6 +122,8 @@ class Session:
         self.device = "cpu" if self.dry else "cuda"
         self.outcomes: list[Outcome] = []
         self.data: dict = {"dry_run": self.dry, "deadline_s": args.deadline}
+        # the options as given (the dry run's folders aside), for the summary's command line
+        self.data["options"] = [a for a in sys.argv[1:] if a not in ("--dry-run",)]
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         if self.dry:
             # one intra-op thread per step: beside other work (the suite's second worker) two

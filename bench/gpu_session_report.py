@@ -76,6 +76,17 @@ def _table2(t: dict | None) -> list[str]:
     return lines
 
 
+def _options(data: dict) -> str:
+    """The command's options as given (a rerun with --only says so), closing the backquote."""
+    opts, skip = [], False
+    for o in data.get("options") or []:
+        if skip or o in ("--out", "--work"):  # where files went, not what ran
+            skip = not skip
+            continue
+        opts.append(o)
+    return (" " + " ".join(opts) if opts else "") + "`"
+
+
 def render(data: dict, outcomes: list) -> str:
     dry = data.get("dry_run")
     title = "GPU session — DRY RUN on the CPU (tiny sizes: no figure here means anything)"
@@ -83,7 +94,7 @@ def render(data: dict, outcomes: list) -> str:
         f"# {title if dry else 'GPU session'}",
         "",
         f"Deadline {data.get('deadline_s'):.0f} s, used {data.get('elapsed_s')} s. "
-        "Command: `bash bench/gpu_session.sh" + (" --dry-run OUTDIR`" if dry else "`"),
+        "Command: `bash bench/gpu_session.sh" + (" --dry-run OUTDIR`" if dry else _options(data)),
         "",
         "| step | status | wall s | note |",
         "|---|---|---|---|",

@@ -77,7 +77,15 @@ def init(device: torch.device) -> World:
     if not launched() or dist.is_initialized():
         return world()
     if device.type == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        local, seen = int(os.environ.get("LOCAL_RANK", 0)), torch.cuda.device_count()
+        if local >= seen:
+            raise RuntimeError(
+                f"process {local} of a job of {os.environ.get('LOCAL_WORLD_SIZE', '?')} per node "
+                f"needs its own GPU and this node shows {seen} (CUDA_VISIBLE_DEVICES="
+                f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): lower finetune.processes / "
+                "pretrain.processes or ask for as many GPUs (docs/cluster.md)"
+            )
+        torch.cuda.set_device(local)
     dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo", timeout=TIMEOUT)
     return world()
 

@@ -158,3 +158,14 @@ def test_pre_training_in_two_processes_makes_the_one_process_updates(pretrained,
     start = w.model()
     trained = torch.cat([p.detach().reshape(-1) for p in start.parameters()])
     assert not torch.allclose(one, trained)  # it trained at all
+
+
+def test_a_process_without_its_own_gpu_is_told_why(monkeypatch):
+    """k processes on a node that shows fewer GPUs: a clear error before any collective."""
+    from dpadapter import distributed
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", str(torch.cuda.device_count()))
+    with pytest.raises(RuntimeError, match="needs its own GPU and this node shows"):
+        distributed.init(torch.device("cuda"))
+    assert not torch.distributed.is_initialized()
