@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -78,7 +79,15 @@ def _single_thread(monkeypatch):
 def _track_into_tmp(monkeypatch, tmp_path):
     """No test writes MLflow runs into the checkout's results/ (the user's own runs): every test
     starts with a store of its own, and one that still wrote there fails, named."""
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlruns.db'}")
+    uri = f"sqlite:///{tmp_path / 'mlruns.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    # An earlier test of this worker that ran a tracked stage in-process (or called
+    # mlflow.set_tracking_uri) left MLflow's process-wide URI set, which wins over the variable:
+    # a later `MlflowClient()` would read that test's store (seen: test_supervise after
+    # test_tracking in one worker). Point it at this test's store too (MLflow already imported:
+    # no import cost for tests that never touch it).
+    if "mlflow" in sys.modules:
+        sys.modules["mlflow"].set_tracking_uri(uri)
     before = mlflow_footprint(REPO)
     yield
     after = mlflow_footprint(REPO)
