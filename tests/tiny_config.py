@@ -52,3 +52,20 @@ TINY_RAW = {
     "robustness": {"noise_std": 0.05, "draws": 2, "seed": 1234},
     "tracking": {"experiment": "tests"},
 }
+
+# The network regime of the linear-scaling HPO at tiny size (tests/hpo, tests/distributed).
+TINY_HPO = {
+    "regime": "network",
+    "upstreams": ["scratch"],
+    "tasks": ["syn-shift"],
+    "algorithms": ["dpsgd"],
+    "seeds": [0],
+    "target_epsilon": 1.2,
+    "sweep_epsilons": [0.2, 0.3],
+    "trials_per_sweep": 2,
+    "lr_range": [0.05, 1.0],
+    "steps_range": [4, 5],  # few distinct T: each (epsilon, T) costs a sigma calibration
+    "grid_size": 3,
+    "selection": "exponential",
+    "selection_epsilon": 0.1,
+}

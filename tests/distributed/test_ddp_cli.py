@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from tiny_config import TINY_RAW
+from tiny_config import TINY_HPO, TINY_RAW
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -77,30 +77,13 @@ def _bad(tmp_path: Path, value) -> Path:
     return path
 
 
-HPO = {
-    "regime": "network",
-    "upstreams": ["scratch"],
-    "tasks": ["syn-shift"],
-    "algorithms": ["dpsgd"],
-    "seeds": [0],
-    "target_epsilon": 1.2,
-    "sweep_epsilons": [0.2, 0.3],
-    "trials_per_sweep": 2,
-    "lr_range": [0.05, 1.0],
-    "steps_range": [4, 5],
-    "grid_size": 3,
-    "selection": "exponential",
-    "selection_epsilon": 0.1,
-}
-
-
 def test_an_hpo_trial_in_two_processes_keeps_its_planned_releases(tmp_path):
     """The HPO's trials train through the same loop: with processes: 2 a trial's ledger is
     still its plan's (the trial itself refuses otherwise) and one metrics.json is written."""
     configs = {}
     for k in (1, 2):
         raw = copy.deepcopy(TINY_RAW)
-        raw.update(results_dir=str(tmp_path / "results"), device="cpu", hpo=HPO)
+        raw.update(results_dir=str(tmp_path / "results"), device="cpu", hpo=TINY_HPO)
         raw["privacy"]["accountant"] = "rdp"
         raw["tracking"] = {"enabled": False}
         raw["finetune"]["processes"] = k

@@ -12,23 +12,9 @@ from pathlib import Path
 
 import dp_accounting
 import pytest
-from tiny_config import TINY_RAW
+from tiny_config import TINY_HPO, TINY_RAW
 
-HPO = {
-    "regime": "network",
-    "upstreams": ["scratch"],
-    "tasks": ["syn-shift"],
-    "algorithms": ["dpsgd"],
-    "seeds": [0],
-    "target_epsilon": 1.2,
-    "sweep_epsilons": [0.2, 0.3],
-    "trials_per_sweep": 2,
-    "lr_range": [0.05, 1.0],
-    "steps_range": [4, 5],  # few distinct T: each (epsilon, T) costs a sigma calibration
-    "grid_size": 3,
-    "selection": "exponential",
-    "selection_epsilon": 0.1,
-}
+HPO = TINY_HPO
 
 
 class ForbiddenSplit:
