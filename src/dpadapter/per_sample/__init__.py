@@ -28,6 +28,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from dpadapter.per_sample import check_memo
 from dpadapter.per_sample.bookkeeping import BookKeepingModule
 from dpadapter.per_sample.clip import clip_factors
 from dpadapter.per_sample.independence import (
@@ -72,6 +73,7 @@ def wrap_for_dp(
     *,
     check: bool = True,
     check_batch: int | None = None,
+    check_memo_path: str | None = None,
 ) -> nn.Module:
     """The module to train (loss reduction 'mean', batch first, as everywhere here).
 
@@ -80,6 +82,8 @@ def wrap_for_dp(
     per-sample self-test, on `check_batch` synthetic examples (the physical batch size
     training will use; default `self_test.EXAMPLES`). Without it, the independence check runs
     at the wrapped module's first forward, on that batch's shape, and no self-test runs.
+    `check_memo_path` (a results folder's `check_memo.memo_path`) runs the self-test once per
+    architecture, mode and shapes in that folder; None runs it every time.
     The results are left on the wrapped module: `independence` (an `Independence`; None until
     it has run) and `per_sample_check` (the self-test's record, or None). A module that mixes
     examples raises MixedExamplesError; a self-test mismatch PerSampleCheckError.
@@ -98,8 +102,17 @@ def wrap_for_dp(
         found = make_independent(model, shape, dtype)
         _report(found)
         if check:
-            wrapped, record = run_check(
-                model, wrap, dp_optimizer, mode, shape, dtype, examples=check_batch
+            wrapped, record = check_memo.run_or_recall(
+                check_memo_path,
+                model,
+                wrap,
+                mode,
+                shape,
+                dtype,
+                check_batch,
+                lambda: run_check(
+                    model, wrap, dp_optimizer, mode, shape, dtype, examples=check_batch
+                ),
             )
         else:
             wrapped, record = wrap(), None

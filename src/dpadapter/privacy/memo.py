@@ -48,6 +48,16 @@ def cached(cache: str | Path | None, key: str, compute: Callable[[], float]) -> 
     return value
 
 
+def lookup(cache: str | Path, key: str) -> Any:
+    """The value stored under `key` in the JSON file `cache` (any JSON value), or None."""
+    return _read(Path(cache)).get(key)
+
+
+def remember(cache: str | Path, key: str, value: Any) -> None:
+    """Store `value` (any JSON value) under `key`, beside what concurrent jobs stored."""
+    _write(Path(cache), key, value)
+
+
 def clear_memory() -> None:
     """Forget this process's results (what another job would start with; tests use it)."""
     _MEMORY.clear()
@@ -60,7 +70,7 @@ def _read(path: Path) -> dict[str, Any]:
         return {}
 
 
-def _write(path: Path, key: str, value: float) -> None:
+def _write(path: Path, key: str, value: Any) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.with_suffix(".lock"), "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)

@@ -24,6 +24,7 @@ from dpadapter.train.checkpoint import load_model, save_model
 from dpadapter.train.dp_fit import FitSettings, dp_fit, privacy_record
 from dpadapter.train.dp_spec import run_spec
 from dpadapter.train.loops import evaluate, robust_accuracy
+from dpadapter.train.phase_clock import PhaseClock
 from dpadapter.train.resume import ResumeFile, resume_file_path
 
 
@@ -51,10 +52,12 @@ def run(
     if not math.isfinite(eps) or eps <= 0:
         raise ValueError(f"epsilon must be positive and finite, got {eps}")
     seed_everything(seed)
-    _, roles = build_splits(cfg, [task])
-    data = roles[task]
-    model, ckpt_meta = load_model(ckpt)
-    replace_head(model, data.num_classes, seed)
+    clock = PhaseClock()
+    with clock.phase("data_and_checkpoint"):
+        _, roles = build_splits(cfg, [task])
+        data = roles[task]
+        model, ckpt_meta = load_model(ckpt)
+        replace_head(model, data.num_classes, seed)
     spec = run_spec(cfg, algo_name, eps, len(data.train), upstream, task)
     schedule = get_strategy(cfg.finetune.strategy).schedule(
         spec.total_steps, cfg.finetune.ut_t1_fraction
@@ -96,8 +99,10 @@ def run(
             schedule=schedule,
             val=data.val,
             label=f"finetune {upstream}/{task}/{algo_name}/eps{eps:g}/seed{seed}",
+            clock=clock,
         )
-        epsilon = ledger.epsilon()
+        with clock.phase("accountant_final"):
+            epsilon = ledger.epsilon()
         if epsilon > eps * 1.001:
             raise RuntimeError(f"spent epsilon {epsilon:.4f} exceeds the target {eps}")
         if not distributed.world().writer:
@@ -122,13 +127,16 @@ def run(
             "t1": schedule.t1,
         }
         run_.log_params(hyper)
+        with clock.phase("evaluation_clean"):
+            test_accuracy = evaluate(model, data.test)
+            val_accuracy = evaluate(model, data.val) if len(data.val) else None
+        with clock.phase("evaluation_robust"):
+            test_robust = robust_accuracy(model, data.test, r.noise_std, r.draws, r.seed)
         metrics.update(
             {
-                "test_accuracy": evaluate(model, data.test),
-                "val_accuracy": evaluate(model, data.val) if len(data.val) else None,
-                "test_robust_accuracy": robust_accuracy(
-                    model, data.test, r.noise_std, r.draws, r.seed
-                ),
+                "test_accuracy": test_accuracy,
+                "val_accuracy": val_accuracy,
+                "test_robust_accuracy": test_robust,
                 "robustness": {"noise_std": r.noise_std, "draws": r.draws, "seed": r.seed},
                 "hyperparameters": hyper,
                 # bk only: how each layer's per-example norms were computed (ghost/per-example)
@@ -157,14 +165,18 @@ def run(
                 "steps": ledger.steps,
             }
         )
-        metrics["checkpoint"] = save_model(
-            out_dir / "model.pt",
-            model,
-            ckpt_meta["model"],  # the backbone it was loaded as (an external one is not cfg.model)
-            data.num_classes,
-            ckpt_meta["in_chans"],
-            {"task": task},
-        )
+        with clock.phase("checkpoint_write"):
+            metrics["checkpoint"] = save_model(
+                out_dir / "model.pt",
+                model,
+                # the backbone it was loaded as (an external one is not cfg.model)
+                ckpt_meta["model"],
+                data.num_classes,
+                ckpt_meta["in_chans"],
+                {"task": task},
+            )
+        # phases of this job, in seconds (bench/overhead.py adds them up over a run)
+        metrics["timing_s"] = clock.record()
     if distributed.world().writer:
         resume.clear()
     return metrics

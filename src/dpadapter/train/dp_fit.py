@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -23,6 +24,7 @@ from dpadapter import distributed
 from dpadapter.algorithms import ALGORITHMS, DPRunSpec
 from dpadapter.models.batchnorm import freeze_batchnorm
 from dpadapter.per_sample import (
+    check_memo,
     effective_mode,
     make_precision,
     wrap_for_dp,
@@ -33,6 +35,7 @@ from dpadapter.strategies import Schedule, apply_phase
 from dpadapter.train.batching import PAD_LABEL, dp_batches, masked_cross_entropy
 from dpadapter.train.dp_spec import padding
 from dpadapter.train.loops import evaluate, progress
+from dpadapter.train.phase_clock import NO_CLOCK, PhaseClock
 from dpadapter.train.progress import ProgressLine
 from dpadapter.train.resume import ResumeFile
 
@@ -58,6 +61,9 @@ class FitSettings:
     bn_affine: str = "train"
     # privacy.randomness: noise and Poisson masks from the seed, or from the OS (secret)
     randomness: str = "seeded"
+    # the results folder's memo of passed self-tests (per_sample.check_memo); None: every fit
+    # runs the self-test
+    per_sample_check_memo: str | None = None
 
     @classmethod
     def from_config(cls, cfg: Config, lr: float | None = None) -> FitSettings:
@@ -75,6 +81,7 @@ class FitSettings:
             per_sample_check=ft.per_sample_check,
             bn_affine=ft.bn_affine,
             randomness=cfg.privacy.randomness,
+            per_sample_check_memo=check_memo.memo_path(cfg.results_dir),
         )
 
 
@@ -101,6 +108,7 @@ def dp_fit(
     schedule: Schedule | None = None,
     val: TensorDataset | None = None,
     label: str | None = None,
+    clock: PhaseClock = NO_CLOCK,
 ):
     """Train `model` in place with the algorithm; return (algorithm, ledger).
 
@@ -120,6 +128,9 @@ def dp_fit(
     after every epoch but the last. Restoring all of them makes the resumed run take exactly the
     batches, noise and releases of an uninterrupted one, and its ledger keeps the releases made
     before the interruption.
+
+    `clock` (optional) adds this fit's seconds by phase: the wrap-time checks, the private
+    steps, the per-epoch accountant and validation, and saving the resume state.
     """
     # BatchNorm kept from (non-private) pre-training is frozen before anything reads the model's
     # parameters (a no-op without BatchNorm): its statistics stay the public ones.
@@ -146,7 +157,8 @@ def dp_fit(
         noise_gen = randomness.secret_generator(dev)
     else:
         noise_gen = devices.generator(dev, 10_000 + seed)
-    algo = ALGORITHMS[algo_name](spec, ledger, noise_gen)
+    with clock.phase("calibration"):
+        algo = ALGORITHMS[algo_name](spec, ledger, noise_gen)
     if algo.needs_public_data:
         # GEP's anchor subspace comes from public gradients only (no privacy cost).
         if public is None:
@@ -159,14 +171,16 @@ def dp_fit(
     # The independence check and the self-test draw synthetic inputs of the data's sample
     # shape (no private value is read), the self-test as many as a physical batch will hold.
     x = train.tensors[0]
-    gsm = wrap_for_dp(
-        model,
-        settings.grad_sample_mode,
-        needs_samples,
-        (x.shape[1:], x.dtype),
-        check=settings.per_sample_check,
-        check_batch=pad or settings.physical_batch_size or local.expected_batch_size,
-    )
+    with clock.phase("independence_and_self_test"):
+        gsm = wrap_for_dp(
+            model,
+            settings.grad_sample_mode,
+            needs_samples,
+            (x.shape[1:], x.dtype),
+            check=settings.per_sample_check,
+            check_batch=pad or settings.physical_batch_size or local.expected_batch_size,
+            check_memo_path=settings.per_sample_check_memo,
+        )
     algo.grad_sample_mode = effective_mode(settings.grad_sample_mode, needs_samples)
     algo.per_sample_check = gsm.per_sample_check
     algo.frozen_statistics = list(gsm.independence.frozen)
@@ -206,9 +220,14 @@ def dp_fit(
             apply_phase(model, schedule.phase(ledger.steps))
     # sigma may come from the calibration memo or the resume state: its plan is recomputed by
     # the accountant, and refused if it overspends, before the first private step
-    verify_plan(
-        algo.planned_history(), spec.delta, spec.accountant, spec.target_epsilon, label or algo_name
-    )
+    with clock.phase("calibration"):
+        verify_plan(
+            algo.planned_history(),
+            spec.delta,
+            spec.accountant,
+            spec.target_epsilon,
+            label or algo_name,
+        )
     loss_fn = masked_cross_entropy if pad is not None else nn.functional.cross_entropy
     gsm.train()
     # One line per epoch (and every few minutes within long ones) in the job's log; `val`
@@ -222,6 +241,7 @@ def dp_fit(
             break
         algo.start_epoch(epoch)
         total, n = 0.0, 0
+        steps_started = time.perf_counter()
         for x, y in progress(loader, desc=f"{algo_name} epoch {epoch + 1}/{spec.epochs}"):
             loss = algo.train_step(gsm, x, y, loss_fn)
             if schedule is not None:
@@ -232,14 +252,17 @@ def dp_fit(
             if max_steps is not None and ledger.steps >= max_steps:
                 break
             report.step(ledger.steps, loss)
-        stats = {
-            "train_loss": total / max(1, n),
-            "steps": ledger.steps,
-            "epsilon_spent": ledger.epsilon(),
-            "noise_multiplier": algo.noise_multiplier(epoch),
-        }
+        clock.add("private_steps", time.perf_counter() - steps_started)
+        with clock.phase("accountant_per_epoch"):
+            stats = {
+                "train_loss": total / max(1, n),
+                "steps": ledger.steps,
+                "epsilon_spent": ledger.epsilon(),
+                "noise_multiplier": algo.noise_multiplier(epoch),
+            }
         if val is not None and len(val):
-            stats["val_accuracy"] = evaluate(model, val)
+            with clock.phase("validation_per_epoch"):
+                stats["val_accuracy"] = evaluate(model, val)
         if on_epoch is not None:
             on_epoch(epoch + 1, stats)
         report.epoch(epoch + 1, spec.epochs, stats)
@@ -251,19 +274,20 @@ def dp_fit(
             sample_rng = _mine(sample_gen.get_state(), world)
             torch_rng = _mine(devices.rng_state(dev), world)
             if world.writer:
-                resume.save(
-                    {
-                        "epoch": epoch + 1,
-                        "model": model.state_dict(),
-                        "optimizer": base_opt.state_dict(),
-                        "algorithm": algo.state_dict(),
-                        "ledger": ledger.state_dict(),
-                        "noise_rng": noise_gen.get_state(),
-                        "sample_rng": sample_rng,
-                        "torch_rng": torch_rng,
-                        "processes": world.size,
-                    }
-                )
+                with clock.phase("resume_state"):
+                    resume.save(
+                        {
+                            "epoch": epoch + 1,
+                            "model": model.state_dict(),
+                            "optimizer": base_opt.state_dict(),
+                            "algorithm": algo.state_dict(),
+                            "ledger": ledger.state_dict(),
+                            "noise_rng": noise_gen.get_state(),
+                            "sample_rng": sample_rng,
+                            "torch_rng": torch_rng,
+                            "processes": world.size,
+                        }
+                    )
     algo.clipping_plan = dict(getattr(gsm, "last_plan", {}))
     if hasattr(gsm, "_close"):
         gsm._close()  # drop the per-sample hooks; evaluation uses the plain module

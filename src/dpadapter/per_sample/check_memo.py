@@ -1,0 +1,215 @@
+"""The per-sample self-test once per architecture in a results folder, not once per job.
+
+The self-test (`self_test.run_check`) looks for a per-sample mode that computes some layer's
+per-example norms or clipped sums wrong: a closed form applied to a layout it does not cover, a
+subclass whose forward changed, a grad sampler with a bug. Such a fault belongs to the code that
+runs (the module classes and their configuration, the parameter shapes, which of them train,
+the mode, the input's shape, the batch size that picks bk's code path, the device type), not
+to the values the weights hold. The default grid fine-tunes 70 jobs on 5 checkpoints of one
+architecture: the test ran 70 times on the same code, about 0.9 s of a 7 s job.
+
+So a passed test is remembered in `<results_dir>/.cache/per_sample_check.json` under a key that
+names all of the above, the source text of every module class in the model (a changed forward
+is a new key), the source of `dpadapter.per_sample` itself and the versions of torch, Opacus
+and timm. A job whose key is there wraps its model without running the test again and records
+the remembered result with `recalled: true`; any other job runs it and, when it passes, stores
+it. A failed test is never stored (it raises). Weights are left out of the key on purpose: the
+test's inputs are synthetic, and a weight-dependent disagreement is a kink of float rounding
+(`self_test` module docstring), not a wrong mode. docs/privacy.md says what this leaves to
+the first job of each key. Callers with no results folder (tests, bench scripts) pass no memo
+and run the test every time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import importlib
+import importlib.metadata
+import inspect
+import json
+import marshal
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from dpadapter.privacy.memo import lookup, remember
+
+FILE = "per_sample_check.json"
+
+
+def memo_path(results_dir: str | Path) -> str:
+    return str(Path(results_dir) / ".cache" / FILE)
+
+
+def run_or_recall(
+    memo: str | Path | None,
+    model: nn.Module,
+    wrap: Callable[[], nn.Module],
+    mode: str,
+    sample_shape: Sequence[int],
+    dtype: torch.dtype,
+    examples: int | None,
+    run: Callable[[], tuple[nn.Module, dict[str, Any]]],
+) -> tuple[nn.Module, dict[str, Any]]:
+    """`run()` (the self-test: (wrapped, record)), or `wrap()` and the record remembered under
+    this model's key when an earlier job of the results folder passed it."""
+    if memo is None:
+        return run()
+    key = signature(model, mode, sample_shape, dtype, examples)
+    stored = lookup(memo, key)
+    if isinstance(stored, dict) and stored.get("passed") is True:
+        return wrap(), {**stored, "recalled": True, "memo_key": key}
+    wrapped, record = run()
+    if record.get("passed") is True:
+        remember(memo, key, record)
+    return wrapped, {**record, "recalled": False, "memo_key": key}
+
+
+def signature(
+    model: nn.Module,
+    mode: str,
+    sample_shape: Sequence[int],
+    dtype: torch.dtype,
+    examples: int | None,
+) -> str:
+    """sha256 of everything the self-test's verdict depends on, weights excepted."""
+    device = next((p.device.type for p in model.parameters()), "cpu")
+    modules = []
+    for name, m in model.named_modules():
+        cls = type(m)
+        modules.append(
+            {
+                "name": name,
+                "class": f"{cls.__module__}.{cls.__qualname__}",
+                "source": _class_source_hash(cls),
+                "config": m.extra_repr(),
+                "training": m.training,
+                "params": [
+                    (n, tuple(p.shape), str(p.dtype), p.requires_grad)
+                    for n, p in m.named_parameters(recurse=False)
+                ],
+                "buffers": [
+                    (n, tuple(b.shape), str(b.dtype))
+                    for n, b in m.named_buffers(recurse=False)
+                    if b is not None
+                ],
+            }
+        )
+    what = {
+        "mode": mode,
+        "sample_shape": list(sample_shape),
+        "dtype": str(dtype),
+        "examples": examples,
+        "device": device,
+        "modules": modules,
+        "code": _own_code_hash(),
+        "live_code": _live_code_hash(model),
+        "versions": _versions(),
+    }
+    return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()
+
+
+@functools.cache
+def _class_source_hash(cls: type) -> str:
+    """The source files of the class and of every class it inherits from (a forward inherited
+    from a changed parent is a change), hashed; torch's own classes by torch's version (in
+    `_versions`), a class without a file by its name."""
+    h = hashlib.sha256()
+    for c in cls.__mro__:
+        if c.__module__.partition(".")[0] in ("builtins", "torch"):
+            continue
+        h.update(f"{c.__module__}.{c.__qualname__}".encode())
+        h.update(_file_hash(inspect.getsourcefile(c) if _has_file(c) else None).encode())
+    return h.hexdigest()
+
+
+def _has_file(c: type) -> bool:
+    try:
+        return inspect.getsourcefile(c) is not None
+    except TypeError:  # a built-in class
+        return False
+
+
+@functools.cache
+def _file_hash(path: str | None) -> str:
+    if path is None:
+        return "no source file"
+    try:
+        return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    except OSError:
+        return f"unreadable: {path}"
+
+
+def _package_files() -> list[Path]:
+    return sorted(Path(__file__).parent.glob("*.py"))
+
+
+@functools.cache
+def _own_code_hash() -> str:
+    """Every file of this package: the modes, their closed forms and the self-test itself."""
+    h = hashlib.sha256()
+    for f in _package_files():
+        h.update(f.name.encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()
+
+
+def _live_code_hash(model: nn.Module) -> str:
+    """The code this process would run now: every function and method that the modules of
+    this package hold (a function replaced at run time, as a test or a user's patch does, is
+    a change the files do not show), and Opacus' grad sampler of each class in the model."""
+    from opacus.grad_sample import GradSampleModule
+
+    h = hashlib.sha256()
+    package = __name__.rpartition(".")[0]
+    # every module of the package, imported if it was not yet (the key must not depend on
+    # which of them this process happened to have imported)
+    names = [package] + [f"{package}.{f.stem}" for f in _package_files() if f.stem != "__init__"]
+    for name in names:
+        module = importlib.import_module(name)
+        for attr, value in sorted(vars(module).items()):
+            h.update(f"{name}.{attr}".encode())
+            h.update(_code_of(value))
+    for cls in sorted({type(m) for m in model.modules()}, key=lambda c: c.__qualname__):
+        h.update(cls.__qualname__.encode())
+        h.update(_code_of(GradSampleModule.GRAD_SAMPLERS.get(cls)))
+    return h.hexdigest()
+
+
+def _code_of(value: Any) -> bytes:
+    """The compiled code of a function, of a class's methods, or of a registry's entries (a
+    table from layer types to rules: `rules.RULES`); nothing for other values, nor for
+    torch's and Opacus' own (their versions are in the key; some of torch's functions are
+    swapped for their compiled twins on first use)."""
+    if str(getattr(value, "__module__", "")).partition(".")[0] in ("torch", "opacus"):
+        return b""
+    if inspect.isfunction(value) or inspect.ismethod(value):
+        return marshal.dumps(value.__code__)
+    if inspect.isclass(value):
+        return b"".join(
+            _code_of(v) for _, v in sorted(vars(value).items()) if inspect.isfunction(v)
+        )
+    if isinstance(value, dict) and value and all(inspect.isclass(k) for k in value):
+        return b"".join(
+            k.__qualname__.encode() + _code_of(v)
+            for k, v in sorted(value.items(), key=lambda kv: kv[0].__qualname__)
+        )
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return b"".join(_code_of(getattr(value, f.name)) for f in dataclasses.fields(value))
+    return b""
+
+
+@functools.cache
+def _versions() -> dict[str, str | None]:
+    out: dict[str, str | None] = {}
+    for dist in ("torch", "opacus", "timm"):
+        try:
+            out[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            out[dist] = None
+    return out
