@@ -61,6 +61,10 @@ def main(argv: list[str] | None = None) -> int:
     rf.add_argument("--finetune-csv", required=True, type=Path)
     rf.add_argument("--csv", required=True, type=Path)
     rf.add_argument("--md", required=True, type=Path)
+    so = sub.add_parser(
+        "table-so-far", help="the tables from the fine-tuning runs finished so far (runs nothing)"
+    )
+    so.add_argument("--out", type=Path, default=None, help="default: <results_dir>/summary/so-far")
     sw = sub.add_parser("sweep-figures", help="figures of the gamma sweeps")
     sw.add_argument("--pretrain", nargs="+", required=True, type=Path)
     sw.add_argument("--finetune", nargs="+", required=True, type=Path)
@@ -177,6 +181,12 @@ def _dispatch(args: argparse.Namespace, cfg) -> None:
         reference.run(args.finetune_csv, cfg.reference, args.csv, args.md)
         print(args.md.read_text())
         _print_written([args.csv, args.md])
+    elif args.stage == "table-so-far":
+        from dpadapter.stages import table_so_far
+
+        _, md = table_so_far.run(cfg, args.out)
+        print(md.read_text())
+        _print_written(sorted(md.parent.iterdir()))
     elif args.stage == "sweep-figures":
         from dpadapter.stages import figures
 

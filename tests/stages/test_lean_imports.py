@@ -42,6 +42,7 @@ NON_PRIVATE = [
     "dpadapter.stages.aggregate",
     "dpadapter.stages.figures",
     "dpadapter.stages.reference",
+    "dpadapter.stages.table_so_far",
     "dpadapter.stages.report",
     "dpadapter.stages.validity",
     "dpadapter.train.loops",

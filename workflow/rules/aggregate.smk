@@ -75,3 +75,21 @@ rule reference:
     shell:
         "{params.python} -m dpadapter --config {params.config} reference --finetune-csv {input.csv} "
         "--csv {output.csv} --md {output.md} > {log} 2>&1"
+
+
+rule table_so_far:
+    """The tables from the fine-tuning runs finished so far, the others marked as cut (with the
+    epoch they resume after) or not run yet: `snakemake table_so_far` prints them and writes
+    summary/so-far/ (dpadapter.stages.table_so_far). It declares no output, so it runs whenever
+    it is asked for, and it asks for no input, so it starts no other job."""
+    localrule: True
+    params:
+        **JOB_PARAMS,
+    log:
+        f"{RESULTS}/logs/table_so_far.log",
+    conda:
+        PIPELINE_ENV
+    resources:
+        **cpu_job(),
+    shell:
+        "{params.python} -m dpadapter --config {params.config} table-so-far 2> {log}"

@@ -68,17 +68,29 @@ def compare(rows: list[dict], ref: ReferenceConfig) -> list[dict]:
     return table
 
 
-def _pm(mean: float | None, std: float | None, n: int | None = None) -> str:
+def _pm(
+    mean: float | None,
+    std: float | None,
+    n: int | None = None,
+    missing: str | None = None,
+    planned: int | None = None,
+) -> str:
+    """`missing`: what to say of a cell without a result (the table so far: cut or not run
+    yet); `planned`: the seeds the grid plans, said where fewer have finished."""
     if mean is None:
-        return "not run"
+        return missing or "not run"
     s = f"{mean:.2f} ± {std:.2f}"
+    if n is not None and planned is not None and n < planned:
+        return s + f" ({n} of {planned} seeds)"
     return s + (f" ({n} seed{'s' if n != 1 else ''})" if n is not None else "")
 
 
-def markdown(table: list[dict], ref: ReferenceConfig) -> str:
+def markdown(table: list[dict], ref: ReferenceConfig, title: str | None = None) -> str:
+    """Rows of `compare`; a row may add `status` (shown where ours is missing) and `n_planned`
+    (the seeds planned), as the table so far does (stages.table_so_far)."""
     blocks = list(dict.fromkeys((r["upstream"], r["task"]) for r in table))
     algos = list(dict.fromkeys(r["algorithm"] for r in table))
-    lines = [f"# {ref.name}", ""]
+    lines = [f"# {title or ref.name}", ""]
     if len(blocks) == 1:
         upstream, task = blocks[0]
         lines += [
@@ -119,7 +131,8 @@ def _block(rows: list[dict], algos: list[str], ref: ReferenceConfig) -> list[str
         for a in algos:
             r = cell.get((a, e))
             parts.append(_pm(r["paper_mean"], r["paper_std"]) if r else "–")
-            parts.append(_pm(r["ours_mean"], r["ours_std"], r["n_seeds"]) if r else "–")
+            ours = r and (r["ours_mean"], r["ours_std"], r["n_seeds"], r.get("status"))
+            parts.append(_pm(*ours, r.get("n_planned")) if r else "–")
         b, i = cell.get((ref.baseline, e)), cell.get((ref.improved, e))
         e_paper = err(b and b["paper_mean"], i and i["paper_mean"])
         e_ours = err(b and b["ours_mean"], i and i["ours_mean"])
