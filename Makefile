@@ -93,8 +93,9 @@ validity: setup
 # load, SIGKILL resume). Two xdist workers, one test file per worker at a time: the cluster tests
 # mostly wait on daemons and subprocesses, so the suite takes about half its serial time. The
 # longest files are handed out first (tests/longest_first.py), so both workers finish together.
+# The 30 slowest tests are listed at the end of every run (docs/measured.md says what each proves).
 test: setup browser
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=30
 
 test-cluster: setup
 	$(BIN)/python -m pytest -q tests/cluster

@@ -72,6 +72,8 @@ class Job:
     benchmark: str  # relative to RESULTS/benchmarks
     wall_s: float
     training_s: float | None  # metrics.json wall_time_s; None when there is none
+    # metrics.json timing_s: seconds by phase (dpadapter.train.phase_clock); empty without
+    phases: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -138,6 +140,21 @@ def read_training(path: Path) -> float | None:
     return float(value)
 
 
+def read_phases(path: Path) -> dict[str, float]:
+    """metrics.json's timing_s (seconds by phase), {} when the file or the key is missing."""
+    if not path.is_file():
+        return {}
+    try:
+        value = json.loads(path.read_text()).get("timing_s") or {}
+    except (OSError, ValueError, AttributeError) as exc:
+        raise OverheadError(f"{path}: cannot read metrics: {exc}") from None
+    if not isinstance(value, dict) or not all(
+        isinstance(v, int | float) and not isinstance(v, bool) for v in value.values()
+    ):
+        raise OverheadError(f"{path}: timing_s is not a table of seconds: {value!r}")
+    return {str(k): float(v) for k, v in value.items()}
+
+
 def collect(results: Path) -> tuple[dict[str, list[Job]], list[str]]:
     """Jobs per rule (workflow order, rules with none left out) and the benchmark files that
     match no rule."""
@@ -154,7 +171,8 @@ def collect(results: Path) -> tuple[dict[str, list[Job]], list[str]]:
             continue
         rule, metrics = found
         training = read_training(results / metrics) if metrics else None
-        jobs[rule].append(Job(rel, read_benchmark(path), training))
+        phases = read_phases(results / metrics) if metrics else {}
+        jobs[rule].append(Job(rel, read_benchmark(path), training, phases))
     return {r: js for r, js in jobs.items() if js}, unmatched
 
 
@@ -251,6 +269,36 @@ def _pct(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.1f} %"
 
 
+def phase_table(rows: list[RuleSummary]) -> list[str]:
+    """Per rule whose jobs record phases: mean seconds per job of each phase (over the jobs
+    that record it) and its share of the mean wall time of those jobs."""
+    lines = []
+    for r in rows:
+        timed = [j for j in r.job_list if j.phases]
+        if not timed:
+            continue
+        wall = _mean([j.wall_s for j in timed]) or 0.0
+        names = list(dict.fromkeys(k for j in timed for k in j.phases))
+        lines += [
+            "",
+            f"Phases of the {r.rule} jobs ({len(timed)} jobs, mean wall {wall:.1f} s):",
+            "",
+            "| phase | mean s per job | share of wall |",
+            "|---|---|---|",
+        ]
+        accounted = 0.0
+        for name in names:
+            mean = sum(j.phases.get(name, 0.0) for j in timed) / len(timed)
+            accounted += mean
+            lines.append(f"| {name} | {mean:.2f} | {_pct(mean / wall if wall else None)} |")
+        rest = wall - accounted
+        lines.append(
+            f"| (the rest: start-up, imports, MLflow, exit) | {rest:.2f} "
+            f"| {_pct(rest / wall if wall else None)} |"
+        )
+    return lines
+
+
 def markdown(rows: list[RuleSummary], unmatched: list[str], dry: DryRun | None) -> str:
     head = (
         "| rule | jobs | wall/job mean s | wall/job max s | training/job mean s "
@@ -282,7 +330,7 @@ def markdown(rows: list[RuleSummary], unmatched: list[str], dry: DryRun | None) 
         )
     if dry is not None:
         notes.append(f"`snakemake -n --configfile {dry.config}`: {dry.wall_s:.1f} s wall")
-    return "\n".join(lines + notes) + "\n"
+    return "\n".join(lines + notes + phase_table(rows)) + "\n"
 
 
 def report(rows: list[RuleSummary], unmatched: list[str], dry: DryRun | None, results: Path):

@@ -302,3 +302,32 @@ def test_default_results_layout(overhead):
         "hpo/a/b/c/seed0/linear_scaling/metrics.json",
     )
     assert overhead.match_rule("pretrain/x/y.tsv") is None
+
+
+def test_the_phases_of_the_jobs_that_record_them(overhead, results):
+    ft = results / "finetune/standard/fmnist-same/dpsgd/eps1"
+    recorded = [
+        {"private_steps": 8.0, "evaluation_robust": 2.0},
+        {"private_steps": 12.0, "independence_and_self_test": 1.0},
+    ]
+    for seed, phases in enumerate(recorded):
+        m = json.loads((ft / f"seed{seed}/metrics.json").read_text())
+        (ft / f"seed{seed}/metrics.json").write_text(json.dumps({**m, "timing_s": phases}))
+    rows, _ = rows_by_rule(overhead, results)
+    table = overhead.phase_table(list(rows.values()))
+    text = "\n".join(table)
+    # only the finetune rule records phases: two jobs of mean wall (20 + 40) / 2 = 30 s
+    assert "Phases of the finetune jobs (2 jobs, mean wall 30.0 s)" in text
+    assert "warmup jobs" not in text
+    assert "| private_steps | 10.00 | 33.3 % |" in table
+    assert "| evaluation_robust | 1.00 | 3.3 % |" in table  # a job without it counts 0
+    assert "| independence_and_self_test | 0.50 | 1.7 % |" in table
+    assert "| (the rest: start-up, imports, MLflow, exit) | 18.50 | 61.7 % |" in table
+    assert text in overhead.markdown(list(rows.values()), [], None)
+
+
+def test_a_phase_table_that_is_not_seconds_names_the_file(overhead, results, capsys):
+    path = results / "finetune/standard/fmnist-same/dpsgd/eps1/seed0/metrics.json"
+    path.write_text(json.dumps({"wall_time_s": 1.0, "timing_s": {"private_steps": "slow"}}))
+    assert overhead.main([str(results)]) == 2
+    assert "seed0/metrics.json: timing_s is not a table of seconds" in capsys.readouterr().err

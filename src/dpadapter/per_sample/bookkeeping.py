@@ -207,11 +207,29 @@ class BookKeepingModule(nn.Module):
         if not trained:
             return
         x = args[0]
+        self._refuse_folded_rows(module, x)
         if x.requires_grad:  # the gradient still reaches this layer's output through x
             for p in trained.values():
                 p.requires_grad_(False)
                 self._switched_off.append(p)
         self.records[module] = LayerRecord(module, x.detach(), trained)
+
+    def _refuse_folded_rows(self, module: nn.Module, x: torch.Tensor) -> None:
+        """A closed form's rows are its examples: a layer fed the batch folded with something
+        else (`x.reshape(B * k, d)`: windows, tokens flattened into rows) would be clipped per
+        row, and one example could move the release by k times the bound. Checked on every
+        recorded call, self-test or not."""
+        if self._rows is None or (x.dim() > 0 and x.shape[0] == self._rows):
+            return
+        name = next((n for n, m in self._module.named_modules() if m is module), "?")
+        raise RuntimeError(
+            f"grad_sample_mode 'bk': module {name or '<root>'!r} ({type(module).__name__}) is "
+            f"fed an input of shape {tuple(x.shape)} whose first dimension is not the batch of "
+            f"{self._rows}: the examples are folded into its rows (windows, flattened tokens), "
+            "so clipping its rows would not bound each example. No per-layer mode (bk, hooks, "
+            "ew, functorch) clips such a layer per example; freeze it (finetune.strategy: ht) "
+            "or use a backbone whose trained layers see batch-first inputs"
+        )
 
     def _after_layer(self, module: nn.Module, args: tuple, output: torch.Tensor) -> None:
         if self._replaying:
@@ -271,6 +289,7 @@ class BookKeepingModule(nn.Module):
             if self._replaying or not isinstance(rec, FuncRecord) or rec.tokens is None:
                 return
             x = args[0]
+            self._refuse_folded_rows(owner, x)
             rec.n = x.shape[0]
             if x.requires_grad:
 
