@@ -101,12 +101,16 @@ def test_a_training_stage_gives_the_same_files_both_ways(server, tmp_path):
     for rel in own:
         a, b = (outs[w] / rel for w in ("own", "forked"))
         if rel.suffix == ".json":
-            drop = {"wall_time_s", "host", "resources"}
+            # times differ; the second run recalls the first one's self-test (same results
+            # folder: per_sample.check_memo), which its record says
+            drop = {"wall_time_s", "host", "resources", "timing_s"}
             ja, jb = (
                 {k: v for k, v in json.loads(x.read_text()).items() if k not in drop}
                 for x in (a, b)
             )
-            assert ja == jb, rel
+            checks = [j.pop("per_sample_check", None) or {} for j in (ja, jb)]
+            assert [c.pop("recalled", None) for c in checks] in ([False, True], [None, None])
+            assert ja == jb and checks[0] == checks[1], rel
         else:
             assert a.read_bytes() == b.read_bytes(), rel
     # the training process's own resources, not the waiting client's (~17 MB, ~0 s CPU): what
@@ -174,6 +178,53 @@ def test_a_job_with_other_thread_settings_runs_in_its_own_process(server, tmp_pa
     )
     assert p.returncode == 0, p.stderr
     assert f"--config {cfg} validate" not in log.read_text()
+
+
+def test_a_job_goes_to_the_server_of_its_thread_count(server, tmp_path, tmp_path_factory):
+    """Warm-up and pre-training (workflow.cores threads) get a server of their own beside the
+    one-thread server of the fine-tuning jobs: each job finds its own count's in the list."""
+    one, one_log = server
+    log2 = tmp_path_factory.mktemp("prefork2") / "prefork.log"
+    env = dict(os.environ)
+    os.environ.update(dict.fromkeys(prefork.THREAD_ENV, "2"))
+    try:
+        two = prefork.start(sys.executable, log2, threads=2, idle_seconds=120)
+    finally:
+        os.environ.clear()
+        os.environ.update(env)
+    try:
+        deadline = time.monotonic() + 120
+        while not os.path.exists(two):
+            assert time.monotonic() < deadline, log2.read_text()
+            time.sleep(0.2)
+        both = os.pathsep.join([one, two])
+        for threads in ("2", "1"):
+            cfg = _config(tmp_path).rename(tmp_path / f"threads{threads}.yaml")
+            p = subprocess.run(
+                [sys.executable, "-m", "dpadapter", "--config", str(cfg), "validate"],
+                cwd=tmp_path,
+                env=_env(**{prefork.ENV: both}, **dict.fromkeys(prefork.THREAD_ENV, threads)),
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
+            assert p.returncode == 0 and "refused" not in p.stderr, p.stderr
+        assert "threads2.yaml validate" in log2.read_text()
+        assert "threads2.yaml validate" not in one_log.read_text()
+        assert "threads1.yaml validate" in one_log.read_text()
+        assert "threads1.yaml validate" not in log2.read_text()
+    finally:
+        prefork.stop(two)
+
+
+def test_the_socket_list_is_read_by_thread_count(monkeypatch):
+    both = os.pathsep.join(["/t/a/jobs.sock", "/t/b/jobs-t2.sock"])
+    for threads, want in (("1", "/t/a/jobs.sock"), ("2", "/t/b/jobs-t2.sock"),
+                          ("4", "/t/a/jobs.sock")):  # fmt: skip
+        monkeypatch.setenv(prefork.THREAD_ENV[0], threads)
+        assert prefork.server_for_this_job(both) == want
+    assert prefork.server_for_this_job("/t/a/jobs.sock") == "/t/a/jobs.sock"
+    assert prefork.server_for_this_job("") == ""
 
 
 def test_no_server_or_switched_off_runs_in_process(tmp_path, monkeypatch):

@@ -46,6 +46,7 @@ SNAKEFILE = textwrap.dedent(
 
     rule a:
         output: "out/a.txt"
+        threads: 2
         shell: "echo a > {output}"
 
     rule b:
@@ -58,6 +59,7 @@ SNAKEFILE = textwrap.dedent(
             "uses_conda": smk.uses_conda(workflow),
             "runs_jobs_locally": smk.runs_jobs_locally(workflow),
             "jobs_to_run": smk.jobs_to_run(workflow, unknown=-1),
+            "threads": smk.threads_of_jobs_to_run(workflow),
         })
 
     onsuccess:
@@ -99,15 +101,21 @@ def test_each_accessor_reads_what_snakemake_was_told(workdir):
     }
     assert set(dry) == {"parse"}
     run = _snakemake(workdir, "--configfile", "mine.yaml")
-    assert run["onstart"] == {"uses_conda": False, "runs_jobs_locally": True, "jobs_to_run": 3}
+    assert run["onstart"] == {
+        "uses_conda": False,
+        "runs_jobs_locally": True,
+        "jobs_to_run": 3,
+        "threads": {"1": 3},  # a's threads: 2 capped at --cores 1 (JSON keys are strings)
+    }
     assert run["onsuccess"] == {"finished_outputs": ["out/a.txt", "out/b.txt"]}
     # no --configfile: the directive's file; --until leaves jobs outdated, so no outputs
     (workdir / "out" / "a.txt").unlink()
-    run = _snakemake(workdir, "--until", "a")
+    run = _snakemake(workdir, "--until", "a", "--cores", "2")  # the last --cores counts
     assert run["parse"]["config_files"] == ["default.yaml"]
     assert run["parse"]["replaces_default_config"] is False
     assert run["parse"]["config_overrides"] == {}
     assert run["onstart"]["jobs_to_run"] == 1
+    assert run["onstart"]["threads"] == {"2": 1}  # a alone, at its 2 threads
     assert run["onsuccess"] == {"finished_outputs": []}
 
 

@@ -1,29 +1,27 @@
-"""Jobs of a local run start from one process that has already imported torch, Opacus and MLflow.
+"""Jobs of a local run start from a process that has already imported torch, Opacus and MLflow.
 
-A job of the default grid trains for a few seconds, and importing torch, Opacus (scipy.stats,
-`torch.distributed.tensor`) and MLflow (its SQLAlchemy store) costs about as long again, in
-every one of its 70 processes. Python has no way to share imported modules between processes
-but `fork`, so a local `snakemake` run (never a cluster one) starts this server once
-(`workflow/rules/common.smk`, `onstart`): it imports what jobs import, then waits on a Unix
-socket (a job that starts while it imports waits for it). Each job's `python -m dpadapter ...`
-connects (`delegate`), hands over its argument
-list, working folder, environment and standard streams, and the server forks a child that runs
-the job exactly as the job's own process would (`dpadapter.cli.main`), with the job's streams,
-folder and environment, and reports its exit status back. The job's process waits and exits
-with that status; a signal it receives is passed on to the child, and if it is killed the
-child kills itself (it watches the connection), so a killed job never runs on.
+A job of the default grid trains for a few seconds, and importing torch, Opacus and MLflow costs
+about as long again in every one of its processes. Python shares imported modules between
+processes only by `fork`, so a local `snakemake` run (never a cluster one) starts this server
+(`workflow/rules/common.smk`, `onstart`), one per thread count that enough jobs ask for (the
+fine-tuning jobs' one, warm-up's and pre-training's `workflow.cores`; native thread pools are
+sized at import): it imports what jobs import, then waits on a Unix socket (a job that starts
+while it imports waits for it). Each job's `python -m dpadapter ...` connects to the server of
+its thread count (`delegate`), hands over its arguments, working folder, environment and
+standard streams, and the server forks a child that runs the job exactly as the job's own
+process would (`dpadapter.cli.main`) and reports its exit status back. A signal the job's
+process receives is passed on to the child; if that process is killed the child kills itself.
 
-Like gunicorn's `--preload` or PyTorch's fork-started DataLoader workers, this relies on fork
-being safe after imports: the server never runs a torch operation, opens no CUDA context, no
-MLflow store and no file a job writes, and forks from its only Python thread.
+Like gunicorn's `--preload`, this relies on fork being safe after imports: the server never
+runs a torch operation, opens no CUDA context, no MLflow store and no file a job writes, and
+forks from its only Python thread.
 
-Where it does not apply the job runs in its own process as before: no server (a cluster job, a
-dry run, a stage run by hand), `DPADAPTER_PREFORK=0`, a job inside a Slurm allocation, or a
-server started from another interpreter or another copy of the package (both are checked on
-every connection). What a child computes is what the job's own process computes (tests/
-test_prefork.py runs a stage both ways and compares the outputs byte for byte); Snakemake's
-benchmark files still time the whole job (`s`), but their memory and CPU columns now see only
-the waiting process (the server's log, `RESULTS/logs/prefork.log`, lists each job it ran).
+Where it does not apply the job runs in its own process: no server (a cluster job, a dry run, a
+stage run by hand), `DPADAPTER_PREFORK=0`, a job inside a Slurm allocation, or a server started
+from another interpreter, copy of the package or thread count (checked on every connection).
+A child computes what the job's own process computes (tests/test_prefork.py compares the
+outputs byte for byte); Snakemake's benchmark files still time the whole job, but their memory
+and CPU columns see only the waiting process (`RESULTS/logs/prefork.log` lists each job run).
 
 Hand-written: the standard library has the parts (`socket.send_fds`, `os.fork`) but no server.
 """
@@ -43,12 +41,11 @@ import threading
 import time
 from pathlib import Path
 
+# the servers' socket paths (`os.pathsep` between them); "0" or empty: run in-process
 ENV = "DPADAPTER_PREFORK"
-# Fewer jobs than this in a run: no server (its imports would not pay off).
-MIN_JOBS = 4
-# Beside the socket while the server imports: its pid. Jobs wait for the socket meanwhile.
-STARTING = ".starting"
-STARTUP_WAIT_S = 120.0  # the server's socket path; "0" or empty: run in-process
+MIN_JOBS = 4  # fewer jobs of a thread count in a run: no server (its imports would not pay off)
+STARTING = ".starting"  # beside the socket while the server imports: its pid (jobs wait)
+STARTUP_WAIT_S = 120.0
 _MAX_MESSAGE = 1 << 22
 _STATUS = struct.Struct("!i")
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
@@ -95,9 +92,25 @@ def _identity() -> dict[str, object]:
 # --- the job's side ----------------------------------------------------------------------------
 
 
+def server_for_this_job(value: str) -> str:
+    """The socket of the server whose thread count is this job's (`$ENV` lists one socket per
+    thread count, `os.pathsep` between them; `start` names each by its count), else the first.
+    A job of another count is refused by the server it reaches (`_identity`) and runs here."""
+    paths = [p for p in value.split(os.pathsep) if p]
+    mine = os.environ.get(THREAD_ENV[0])
+    return next((p for p in paths if _threads_of(p) == mine), paths[0] if paths else "")
+
+
+def _threads_of(path: str) -> str | None:
+    name = os.path.basename(path)
+    if name.startswith("jobs-t") and name.endswith(".sock"):
+        return name[len("jobs-t") : -len(".sock")]
+    return "1" if name == "jobs.sock" else None
+
+
 def delegate(argv: list[str]) -> int | None:
     """Run `python -m dpadapter argv` in a child of the server; None: run it here instead."""
-    path = os.environ.get(ENV, "")
+    path = server_for_this_job(os.environ.get(ENV, ""))
     if path in ("", "0") or os.environ.get("SLURM_JOB_ID"):
         return None
     _wait_while_starting(path)
@@ -158,16 +171,11 @@ def killed_message(argv: list[str]) -> str:
     """Why a job died of SIGKILL that nobody sent it (the kernel's out-of-memory killer, as a
     rule), and what to change; the settings are read from the job's own config file."""
     where = ""
-    try:
-        cfg = json.loads(Path(argv[argv.index("--config") + 1]).read_text())
-        ft = cfg.get("finetune", {})
-        where = (
-            f" (finetune.grad_sample_mode: {ft.get('grad_sample_mode', 'bk')}, "
-            f"batch_size: {ft.get('batch_size')}, "
-            f"physical_batch_size: {ft.get('physical_batch_size')})"
-        )
-    except (ValueError, OSError, IndexError):
-        pass
+    with contextlib.suppress(ValueError, OSError, IndexError):
+        ft = json.loads(Path(argv[argv.index("--config") + 1]).read_text()).get("finetune", {})
+        where = f" (finetune.grad_sample_mode: {ft.get('grad_sample_mode', 'bk')}, "
+        where += f"batch_size: {ft.get('batch_size')}, "
+        where += f"physical_batch_size: {ft.get('physical_batch_size')})"
     i = argv.index("--config") + 2 if "--config" in argv else len(argv)
     stage = argv[i] if i < len(argv) else "the job"
     return (
@@ -296,14 +304,10 @@ def _serve(path: str, parent: int, idle_seconds: float) -> None:
 
 
 def fork_hazard() -> str | None:
-    """Why forking now would give a child a broken process, or None when it is safe.
-
-    A CUDA context does not survive fork (the child's first CUDA call fails or hangs), and
-    `fork` copies only the calling thread: a lock held by any other Python thread at that
-    moment stays held for ever in the child. The server imports torch but never runs an
-    operation; this checks that nothing (a preloaded module, a future edit) broke either
-    promise before every fork. Native threads that libraries start at import (torch's and
-    jemalloc's idle helpers, counted in the log line below) hold no lock a job takes."""
+    """Why forking now would give a child a broken process, or None when it is safe: a CUDA
+    context does not survive fork, and a lock another Python thread holds stays held for ever
+    in the child. Checked before every fork (a preloaded module or a future edit could break
+    either). Native threads started at import (torch's, jemalloc's) hold no lock a job takes."""
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():
         return (
@@ -325,10 +329,9 @@ def _cuda_initialised() -> bool:
 
 
 def _native_threads() -> int:
-    try:
+    with contextlib.suppress(OSError):
         return len(os.listdir("/proc/self/task"))
-    except OSError:
-        return -1
+    return -1
 
 
 def _alive(pid: int) -> bool:
@@ -336,8 +339,8 @@ def _alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
-        return True
+    except PermissionError:  # another user's process: alive
+        pass
     return True
 
 
@@ -354,10 +357,8 @@ def _reap(children: dict[int, socket.socket]) -> None:
         if conn is None:
             continue
         if os.WIFSIGNALED(status):
-            try:
+            with contextlib.suppress(OSError):
                 conn.sendall(_STATUS.pack(128 + os.WTERMSIG(status)))
-            except OSError:
-                pass
         conn.close()
 
 
@@ -388,10 +389,9 @@ def _child(conn: socket.socket, fds: list[int], message: dict) -> None:
 
 
 def _reseed_globals() -> None:
-    """Fresh OS entropy for the global `random`, numpy and torch generators of this job: a child
-    inherits the server's state, so every job would otherwise draw the same numbers from them
-    (CPython reseeds `random` after a fork, numpy does not). A job that wants a fixed stream
-    seeds it itself, as it would in its own process."""
+    """Fresh OS entropy for the global `random`, numpy and torch generators of this job, as its
+    own process would have (a child inherits the server's state; CPython reseeds `random`
+    after a fork, numpy does not)."""
     random.seed()
     numpy = sys.modules.get("numpy")  # not imported yet: seeded from the OS when it is
     if numpy is not None:
@@ -455,16 +455,16 @@ def _watch(conn: socket.socket) -> None:
 def start(
     python: str, log: str | Path, threads: int = 1, idle_seconds: float = 900.0
 ) -> str | None:
-    """Start a server for this Snakemake process (its pid is the server's parent); the socket
-    path, which jobs find in the environment. None where disabled by `DPADAPTER_PREFORK=0`.
-    The server's environment is a job's with `threads` threads (Snakemake's variables), so the
-    jobs of rules with that many threads (all training rules: 1) can run in its children.
-    The socket lies in a fresh private temporary folder (a Unix socket path must be short)."""
+    """Start a server for this Snakemake process (its parent) whose environment is a job's with
+    `threads` threads (Snakemake's variables); its socket path (in a fresh private temporary
+    folder: a Unix socket path must be short, named by `threads` for `server_for_this_job`),
+    or None where `DPADAPTER_PREFORK=0`."""
     import subprocess
 
     if os.environ.get(ENV, None) == "0":
         return None
-    path = str(Path(tempfile.mkdtemp(prefix="dpadapter-")) / "jobs.sock")
+    name = "jobs.sock" if threads == 1 else f"jobs-t{threads}.sock"
+    path = str(Path(tempfile.mkdtemp(prefix="dpadapter-")) / name)
     Path(log).parent.mkdir(parents=True, exist_ok=True)
     log = open(log, "ab")  # noqa: SIM115 (the server's own; closed here once handed over)
     server = subprocess.Popen(
@@ -484,14 +484,16 @@ def start(
 
 
 def stop(path: str | None) -> None:
-    """Remove the socket: new jobs run in-process, the server leaves when its children have."""
-    if not path:
-        return
-    for leftover in (path, path + STARTING):
+    """Remove the socket (each of `$ENV`'s): new jobs run in-process, each server leaves when
+    its children have."""
+    for one in (path or "").split(os.pathsep):
+        if not one or one == "0":
+            continue
+        for leftover in (one, one + STARTING):
+            with contextlib.suppress(OSError):
+                os.unlink(leftover)
         with contextlib.suppress(OSError):
-            os.unlink(leftover)
-    with contextlib.suppress(OSError):
-        os.rmdir(os.path.dirname(path))
+            os.rmdir(os.path.dirname(one))
 
 
 if __name__ == "__main__":

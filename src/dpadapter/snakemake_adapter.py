@@ -117,6 +117,18 @@ def jobs_to_run(workflow: Any, unknown: int) -> int:
         return unknown
 
 
+def threads_of_jobs_to_run(workflow: Any) -> dict[int, int]:
+    """How many of this run's jobs ask for each number of threads (in onstart); {} where the
+    DAG cannot say."""
+    counts: dict[int, int] = {}
+    try:
+        for job in _read(workflow, "dag").needrun_jobs():
+            counts[int(job.threads)] = counts.get(int(job.threads), 0) + 1
+    except Exception:
+        return {}
+    return counts
+
+
 def finished_outputs(workflow: Any) -> list[str]:
     """Outputs of every job of the finished run (all built or up to date, in onsuccess); none
     after --until/--omit-from, which leave jobs below them outdated."""

@@ -223,9 +223,16 @@ onstart:
         and not _smk.uses_conda(workflow)
         and _smk.jobs_to_run(workflow, unknown=_prefork.MIN_JOBS) >= _prefork.MIN_JOBS
     ):
-        _socket = _prefork.start(PYTHON, f"{RESULTS}/logs/prefork.log")
-        if _socket:
-            os.environ[_prefork.ENV] = _socket
+        # One server per thread count that at least MIN_JOBS of the jobs ask for besides the
+        # training rules' one thread (warm-up and pre-training take workflow.cores): a job
+        # finds the server of its own count in the socket list.
+        _threads = _smk.threads_of_jobs_to_run(workflow)
+        _sockets = [
+            _prefork.start(PYTHON, f"{RESULTS}/logs/prefork.log", threads=k)
+            for k in sorted({1} | {k for k, n in _threads.items() if n >= _prefork.MIN_JOBS})
+        ]
+        if all(_sockets):
+            os.environ[_prefork.ENV] = os.pathsep.join(_sockets)
 
 
 # Record what a successful run built in dvc.lock, so `dvc push` uploads it (dpadapter.dvc_sync).

@@ -30,6 +30,7 @@ import importlib.metadata
 import inspect
 import json
 import marshal
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -183,10 +184,9 @@ def _live_code_hash(model: nn.Module) -> str:
 
 def _code_of(value: Any) -> bytes:
     """The compiled code of a function, of a class's methods, or of a registry's entries (a
-    table from layer types to rules: `rules.RULES`); nothing for other values, nor for
-    torch's and Opacus' own (their versions are in the key; some of torch's functions are
-    swapped for their compiled twins on first use)."""
-    if str(getattr(value, "__module__", "")).partition(".")[0] in ("torch", "opacus"):
+    table from layer types to rules: `rules.RULES`); nothing for other values, nor for a
+    library's own (`_from_a_library`)."""
+    if _from_a_library(value):
         return b""
     if inspect.isfunction(value) or inspect.ismethod(value):
         return marshal.dumps(value.__code__)
@@ -202,6 +202,17 @@ def _code_of(value: Any) -> bytes:
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return b"".join(_code_of(getattr(value, f.name)) for f in dataclasses.fields(value))
     return b""
+
+
+def _from_a_library(value: Any) -> bool:
+    """Defined by the standard library or an installed package (torch, Opacus: their versions
+    are in the key), whose objects may change as they are used (a function swapped for its
+    compiled twin, a class's lazily filled attributes): not this project's code, nor a patch."""
+    name = str(getattr(value, "__module__", None) or "")
+    if name.partition(".")[0] in sys.stdlib_module_names:
+        return True
+    file = str(getattr(sys.modules.get(name), "__file__", None) or "")
+    return "site-packages" in file or "dist-packages" in file
 
 
 @functools.cache
