@@ -49,21 +49,20 @@ STARTUP_WAIT_S = 120.0
 _MAX_MESSAGE = 1 << 22
 _STATUS = struct.Struct("!i")
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
-# Imported once by the server: what the stages import (the rest is imported by the child).
+# Imported once by the server: what the stages import; the optional ones where installed: what a
+# tracked job imports beside MLflow (from sys.modules after a forked fine-tuning job, 0.7 s of
+# each): GitPython for its source tags, tracing, the sqlite dialect, the store's schema check.
 PRELOAD = (
-    "dpadapter.cli",
-    "dpadapter.stages.warmup",
-    "dpadapter.stages.pretrain",
-    "dpadapter.stages.finetune",
-    "dpadapter.stages.aggregate",
-    "dpadapter.stages.figures",
-    "dpadapter.train.dp_fit",
-    "dpadapter.tracking",
-    "opacus",
+    *("dpadapter.cli", "dpadapter.stages.warmup", "dpadapter.stages.pretrain"),
+    *("dpadapter.stages.finetune", "dpadapter.stages.aggregate", "dpadapter.stages.figures"),
+    *("dpadapter.train.dp_fit", "dpadapter.tracking", "dpadapter.data.tensor_cache"),
+    *("opacus", "opacus.utils.batch_memory_manager", "jsonschema"),
 )
-OPTIONAL_PRELOAD = ("mlflow", "mlflow.store.tracking.sqlalchemy_store", "timm")
-
-
+OPTIONAL_PRELOAD = (
+    *("mlflow", "mlflow.store.tracking.sqlalchemy_store", "mlflow.tracing.processor.base_mlflow"),
+    *("mlflow.tracing.export.utils", "sqlalchemy.dialects.sqlite", "alembic.command", "git"),
+    "timm",
+)
 # Read once, when a native library loads (its thread pool's size) or the interpreter starts: a
 # child cannot change them, so a job whose values differ from the server's runs in-process.
 # Snakemake sets the thread variables to the rule's `threads` for every job.
