@@ -154,8 +154,8 @@ def run_check(
             f"per-sample self-test: grad_sample_mode {mode!r} gives {kind} off by "
             f"{record['max_rel_error']:.3g} (relative; tolerance {tolerance:g}) at {where}"
             + (f" (also after moving {len(redrawn)} example(s) off a kink)" if redrawn else "")
-            + "; training refused (another grad_sample_mode may compute them right; "
-            "finetune.per_sample_check: false skips this test)"
+            + "; training refused: a wrong per-example norm or sum breaks the bound the "
+            "accountant assumes (another finetune.grad_sample_mode may compute them right)"
         )
     return wrapped, record
 
