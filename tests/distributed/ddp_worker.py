@@ -95,14 +95,19 @@ TOTAL = 10  # rows of one release, split over the ranks
 
 
 def releases(w: distributed.World) -> dict:
-    """Every mode at noise 0 and 1.3 on rows 0..9 split over the ranks; and rows 0..4 on rank 0
-    only (rank 1's local batch empty)."""
+    """Every mode at noise 0 and 1.3 on rows 0..9 split over the ranks; rows 0..4 on rank 0
+    only (rank 1's local batch empty), and on rank 1 only at noise 1.3 (rank 0's empty)."""
     out = {}
     for mode in MODES:
         for sigma in SIGMAS:
             rows = torch.arange(TOTAL)[w.rank :: w.size]
             out[(mode, sigma)] = release(mode, sigma, rows, TOTAL)
     out["empty"] = release("bk", 0.0, torch.arange(5) if w.rank == 0 else torch.arange(0), 5)
+    # rank 0 (the one that draws the noise) with an empty local batch, noise on: its draw
+    # must still reach every rank, once
+    out["empty-rank0-noisy"] = release(
+        "bk", 1.3, torch.arange(0) if w.rank == 0 else torch.arange(5), 5
+    )
     return out
 
 

@@ -74,12 +74,27 @@ def test_an_empty_local_batch_joins_the_release(released):
         assert torch.allclose(r["empty"], one, rtol=1e-12, atol=1e-14)
 
 
+def test_rank_0s_noise_reaches_every_rank_when_its_own_batch_is_empty(released):
+    """Rank 0 draws the noise; with its local batch empty and sigma > 0 the release is still
+    the one-process one: rank 1's clipped rows plus one draw of std sigma * C."""
+    one = w.release("bk", 1.3, torch.arange(5), 5)
+    noise_free = w.release("bk", 0.0, torch.arange(5), 5)
+    assert (one - noise_free).std() > 0.5  # the noise is there: std 1.3 * C = 0.65
+    for r in released:
+        got = r["empty-rank0-noisy"]
+        assert torch.allclose(got, one, rtol=1e-12, atol=1e-12), (got - one).abs().max()
+
+
 @pytest.mark.parametrize("bug", ["every-rank", "none"])
 def test_the_noise_test_sees_noise_added_on_every_rank_or_on_none(tmp_path, bug):
     p, _ = torchrun("releases", tmp_path, plant=bug)
     assert p.returncode == 0, p.stderr[-3000:]
     one = w.release("bk", 1.3, torch.arange(w.TOTAL), w.TOTAL)
     got = ranks(tmp_path)[0][("bk", 1.3)]
+    assert not torch.allclose(got, one, rtol=1e-6, atol=1e-6)
+    # and with rank 0's own batch empty
+    one = w.release("bk", 1.3, torch.arange(5), 5)
+    got = ranks(tmp_path)[0]["empty-rank0-noisy"]
     assert not torch.allclose(got, one, rtol=1e-6, atol=1e-6)
 
 
