@@ -99,3 +99,36 @@ def test_a_timm_swin_is_refused_at_its_window_attention(check):
         wrapped = wrap_for_dp(model, "bk", sample=((3, 56, 56), torch.float32), check=check)
         x, y = torch.randn(2, 3, 56, 56), torch.tensor([0, 1])
         nn.functional.cross_entropy(wrapped(x), y).backward()
+
+
+# ew's expanded weights refuse such a layer themselves, at its forward (torch checks the batch)
+REFUSAL = {
+    "hooks": r"\[64\] rows for a batch of 4",
+    "functorch": r"\[64\] rows for a batch of 4",
+    "ew": r"ExpandedWeights to have batch size matching input",
+}
+
+
+@pytest.mark.parametrize("mode", sorted(REFUSAL))
+def test_opacus_modes_refuse_folded_rows_with_the_check_off(mode):
+    from opacus.optimizers import DPOptimizer
+
+    from dpadapter.per_sample import dp_optimizer
+
+    for folded in (True, False):
+        torch.manual_seed(0)
+        model = TokenMixer(folded=folded)
+        # only the folded layer trains: its rows agree with each other, not with the batch
+        model.head.requires_grad_(False)
+        wrapped = wrap_for_dp(model, mode, sample=((T, D), torch.float32), check=False)
+        opt = dp_optimizer(
+            DPOptimizer, wrapped, torch.optim.SGD([model.fc.weight, model.fc.bias], lr=0.1),
+            noise_multiplier=0.0, max_grad_norm=1.0, expected_batch_size=4,
+        )  # fmt: skip
+        if folded:
+            with pytest.raises(RuntimeError, match=REFUSAL[mode]):
+                _step(wrapped, 4)
+                opt.step()
+        else:
+            _step(wrapped, 4)
+            opt.step()  # batch-first: one row per example, no refusal

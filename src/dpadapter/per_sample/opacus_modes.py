@@ -60,7 +60,21 @@ def wrap_opacus(model: nn.Module, mode: str) -> nn.Module:
         wrapped = wrap_model(model, grad_sample_mode=mode, batch_first=True, loss_reduction="mean")
     if mode == "hooks":
         _guard_conv_layouts(wrapped, model)
+    _record_rows(wrapped)
     return wrapped
+
+
+def _record_rows(wrapped: nn.Module) -> None:
+    """The batch size of each forward, for the clip's check that every per-example gradient
+    has one row per example (`optimizers.FP32Clip`): Opacus takes a layer's first dimension as
+    the examples, and a layer fed the batch folded into its rows would be clipped per row."""
+    wrapped.dp_rows = None
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        x = next((v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)), None)
+        module.dp_rows = None if x is None or x.dim() == 0 else x.shape[0]
+
+    wrapped.register_forward_pre_hook(hook, with_kwargs=True)
 
 
 def permuted_layout(x: torch.Tensor) -> bool:

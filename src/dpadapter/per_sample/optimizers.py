@@ -48,15 +48,47 @@ class FP32Clip:
     """Placed before an Opacus optimizer class: its own clip, in full FP32, on per-example
     gradients unscaled and cast up (`precision`, mixed precision) first."""
 
-    def __init__(self, *args: Any, precision: Precision | None = None, **kwargs: Any):
+    def __init__(
+        self,
+        *args: Any,
+        precision: Precision | None = None,
+        module: nn.Module | None = None,
+        **kwargs: Any,
+    ):
         self.precision = precision
+        self._dp_module = module  # the wrapped module: its `dp_rows` (opacus_modes._record_rows)
         super().__init__(*args, **kwargs)  # type: ignore[call-arg]
 
     def clip_and_accumulate(self, *args: Any, **kwargs: Any) -> None:
+        self._refuse_folded_rows()
         if self.precision is not None:
             self.precision.unscale(self.params)  # type: ignore[attr-defined]
         with full_fp32():
             return super().clip_and_accumulate(*args, **kwargs)  # type: ignore[misc]
+
+    def _refuse_folded_rows(self) -> None:
+        """One row per example in every per-example gradient, else refused: a layer fed the
+        batch folded with something else gives more rows than examples (each clipped alone)."""
+        rows = getattr(self._dp_module, "dp_rows", None)
+        if self._dp_module is not None:
+            self._dp_module.dp_rows = None  # read once: the next clip needs its own forward
+        shapes = [
+            tuple(p.grad_sample.shape)
+            for p in self.params  # type: ignore[attr-defined]
+            if isinstance(getattr(p, "grad_sample", None), torch.Tensor)
+        ]
+        firsts = {s[0] for s in shapes}
+        # an empty Poisson batch's zeros have no forward of their own (and bound nothing)
+        if firsts == {0}:
+            return
+        if len(firsts) > 1 or (rows is not None and firsts - {rows}):
+            raise RuntimeError(
+                f"per-example gradients with {sorted(firsts)} rows for a batch of {rows}: a "
+                "trained layer is fed the examples folded into its rows (windows, flattened "
+                "tokens), and clipping its rows would not bound each example; freeze it "
+                "(finetune.strategy: ht) or use a backbone whose trained layers see "
+                f"batch-first inputs (per-example gradient shapes: {sorted(set(shapes))[:6]})"
+            )
 
 
 class BookKeepingClip:
@@ -180,7 +212,7 @@ def dp_optimizer(
     if issubclass(cls, BookKeepingClip):
         opt = cls(*args, bookkeeping=wrapped, **kwargs)  # bk's own clip runs under full_fp32
     else:
-        opt = cls(*args, precision=precision, **kwargs)
+        opt = cls(*args, precision=precision, module=wrapped, **kwargs)
     if precision is not None:
         precision.bind(lambda: opt.params, wrapped)
     return opt
