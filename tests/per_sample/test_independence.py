@@ -170,7 +170,10 @@ def test_the_check_leaves_an_independent_model_and_the_rng_untouched():
     assert torch.equal(torch.get_rng_state(), rng)
     assert [m.training for m in model.modules()] == modes
     assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
-    assert wrapped.independence.frozen == () and wrapped.per_sample_check is None
+    assert wrapped.independence.frozen == ()
+    # a switched-off self-test is recorded as unverified, never as a blank
+    assert wrapped.per_sample_check["verified"] is False
+    assert "unverified" in wrapped.per_sample_check["note"]
 
 
 class Net(nn.Module):

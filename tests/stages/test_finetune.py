@@ -165,3 +165,27 @@ def test_metrics_json_records_each_phase_and_its_released_dim(
         post = torch.load(tmp_path / strategy / "model.pt")["state_dict"]
         moved = {k for k in pre if not k.startswith("head") and not torch.equal(pre[k], post[k])}
         assert moved == {k for k in pre if k.endswith(".bias") and not k.startswith("head")}
+
+
+@pytest.mark.parametrize("check", [True, False])
+def test_a_switched_off_self_test_is_said_in_metrics_and_mlflow(
+    tiny_cfg, scratch_ckpt, tmp_path, check
+):
+    import dataclasses
+
+    from mlflow import MlflowClient
+
+    cfg = dataclasses.replace(
+        tiny_cfg, finetune=dataclasses.replace(tiny_cfg.finetune, per_sample_check=check)
+    )
+    _run(cfg, scratch_ckpt, tmp_path / "ft")
+    m = json.loads((tmp_path / "ft" / "metrics.json").read_text())
+    rec = m["per_sample_check"]
+    assert rec["passed"] is (True if check else None)
+    assert ("unverified" in rec["note"]) if not check else rec.get("verified", True)
+    runs = MlflowClient().search_runs(
+        [e.experiment_id for e in MlflowClient().search_experiments()],
+        filter_string="tags.stage = 'finetune'",
+    )
+    want = "verified" if check else "unverified"
+    assert [r.data.tags["dp.per_example_clipping"] for r in runs] == [want]

@@ -42,6 +42,14 @@ from dpadapter.per_sample.precision import PRECISIONS, Precision, make_precision
 from dpadapter.per_sample.self_test import PerSampleCheckError, run_check
 
 GRAD_SAMPLE_MODES = (*OPACUS_MODES, "bk")
+# The record of a run whose self-test was switched off (`finetune.per_sample_check: false`):
+# metrics.json, the MLflow run's tag and the report say so instead of leaving a blank.
+UNVERIFIED = {
+    "passed": None,
+    "verified": False,
+    "note": "per-example clipping unverified: the self-test was switched off "
+    "(finetune.per_sample_check: false)",
+}
 
 __all__ = [
     "GRAD_SAMPLE_MODES",
@@ -50,6 +58,7 @@ __all__ = [
     "MixedExamplesError",
     "Precision",
     "PerSampleCheckError",
+    "UNVERIFIED",
     "clip_factors",
     "dp_optimizer",
     "effective_mode",
@@ -115,7 +124,7 @@ def wrap_for_dp(
                 ),
             )
         else:
-            wrapped, record = wrap(), None
+            wrapped, record = wrap(), dict(UNVERIFIED)
     wrapped.per_sample_check = record
     wrapped.independence = found
     if found is None:

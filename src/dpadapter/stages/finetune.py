@@ -127,6 +127,10 @@ def run(
             "t1": schedule.t1,
         }
         run_.log_params(hyper)
+        check = algo.per_sample_check or {}
+        run_.set_tags(
+            {"dp.per_example_clipping": "verified" if check.get("passed") else "unverified"}
+        )
         with clock.phase("evaluation_clean"):
             test_accuracy = evaluate(model, data.test)
             val_accuracy = evaluate(model, data.val) if len(data.val) else None
