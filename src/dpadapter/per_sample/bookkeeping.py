@@ -74,6 +74,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from dpadapter.per_sample import functional, rules
 from dpadapter.per_sample.buffers import Workspace
+from dpadapter.per_sample.clip import folded_rows_error
 from dpadapter.per_sample.functional import FuncRecord
 from dpadapter.per_sample.rules import SUPPORTED_LAYERS, LayerRecord, closed_form
 from dpadapter.per_sample.tokens import TokenLayout, token_layout
@@ -222,13 +223,10 @@ class BookKeepingModule(nn.Module):
         if self._rows is None or (x.dim() > 0 and x.shape[0] == self._rows):
             return
         name = next((n for n, m in self._module.named_modules() if m is module), "?")
-        raise RuntimeError(
+        raise folded_rows_error(
             f"grad_sample_mode 'bk': module {name or '<root>'!r} ({type(module).__name__}) is "
-            f"fed an input of shape {tuple(x.shape)} whose first dimension is not the batch of "
-            f"{self._rows}: the examples are folded into its rows (windows, flattened tokens), "
-            "so clipping its rows would not bound each example. No per-layer mode (bk, hooks, "
-            "ew, functorch) clips such a layer per example; freeze it (finetune.strategy: ht) "
-            "or use a backbone whose trained layers see batch-first inputs"
+            f"fed an input of shape {tuple(x.shape)}",
+            self._rows,
         )
 
     def _after_layer(self, module: nn.Module, args: tuple, output: torch.Tensor) -> None:

@@ -125,15 +125,15 @@ def _class_source_hash(cls: type) -> str:
         if c.__module__.partition(".")[0] in ("builtins", "torch"):
             continue
         h.update(f"{c.__module__}.{c.__qualname__}".encode())
-        h.update(_file_hash(inspect.getsourcefile(c) if _has_file(c) else None).encode())
+        h.update(_file_hash(_source_file(c)).encode())
     return h.hexdigest()
 
 
-def _has_file(c: type) -> bool:
+def _source_file(c: type) -> str | None:
     try:
-        return inspect.getsourcefile(c) is not None
+        return inspect.getsourcefile(c)
     except TypeError:  # a built-in class
-        return False
+        return None
 
 
 @functools.cache

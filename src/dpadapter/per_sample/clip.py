@@ -33,3 +33,15 @@ def per_example_norms(grads: Sequence[torch.Tensor], norm: str = "l2") -> torch.
     if norm == "l1":
         return torch.stack([g.abs().sum(1) for g in flat], 1).sum(1)
     raise ValueError(f"unknown norm {norm!r}; known: {NORMS}")
+
+
+def folded_rows_error(what: str, rows: int | None) -> RuntimeError:
+    """The refusal of a trained layer whose rows are not the batch's examples (`what` says
+    where it was seen), for every per-sample mode that takes rows as examples."""
+    return RuntimeError(
+        f"{what}, not one row per example of the batch of {rows}: a trained layer is fed the "
+        "examples folded into its rows (windows, flattened tokens), and clipping its rows would "
+        "not bound each example (one could move the release by k times the bound). No "
+        "per-layer mode (bk, hooks, ew, functorch) clips such a layer per example; freeze it "
+        "(finetune.strategy: ht) or use a backbone whose trained layers see batch-first inputs"
+    )

@@ -38,7 +38,7 @@ from torch import nn
 from dpadapter import distributed
 from dpadapter.device import full_fp32
 from dpadapter.per_sample.bookkeeping import BookKeepingModule
-from dpadapter.per_sample.clip import clip_factors
+from dpadapter.per_sample.clip import clip_factors, folded_rows_error
 
 if TYPE_CHECKING:
     from dpadapter.per_sample.precision import Precision
@@ -82,12 +82,10 @@ class FP32Clip:
         if firsts == {0}:
             return
         if len(firsts) > 1 or (rows is not None and firsts - {rows}):
-            raise RuntimeError(
-                f"per-example gradients with {sorted(firsts)} rows for a batch of {rows}: a "
-                "trained layer is fed the examples folded into its rows (windows, flattened "
-                "tokens), and clipping its rows would not bound each example; freeze it "
-                "(finetune.strategy: ht) or use a backbone whose trained layers see "
-                f"batch-first inputs (per-example gradient shapes: {sorted(set(shapes))[:6]})"
+            raise folded_rows_error(
+                f"per-example gradients with {sorted(firsts)} rows (shapes "
+                f"{sorted(set(shapes))[:6]})",
+                rows,
             )
 
 
