@@ -28,6 +28,8 @@ import math
 import torch
 from torch import nn
 
+from dpadapter.models.pooling import MaxPool2d
+
 # (operation, from node, to node) of the searched MNIST cell.
 MNIST_CELL = (
     ("sep_selu", 0, 1),
@@ -65,7 +67,7 @@ def _depthwise(c: int, act: nn.Module) -> nn.Module:
 
 _OPS = {
     "zero": lambda c: _Zero(),
-    "max_pool": lambda c: nn.MaxPool2d(3, 1, 1),
+    "max_pool": lambda c: MaxPool2d(3, 1, 1),
     "avg_pool": lambda c: nn.AvgPool2d(3, 1, 1),
     "skip": lambda c: nn.Identity(),
     "sep_relu": lambda c: _depthwise(c, nn.ReLU()),
@@ -101,7 +103,7 @@ class DPNASMNIST(nn.Module):
         c_prev, c_node = c, c
         for i in range(6):
             if i % 2 == 1:
-                layers.append(nn.MaxPool2d(2, 2))
+                layers.append(MaxPool2d(2, 2))
                 continue
             if i == 4:
                 c_node *= 2

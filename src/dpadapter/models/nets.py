@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dpadapter.models.pooling import MaxPool2d
+
 
 class _HeadMixin:
     head: nn.Linear
@@ -82,7 +84,7 @@ class SmallCNN(_HeadMixin, nn.Module):
                 nn.Conv2d(c, w, 3, 1, 1),
                 nn.GroupNorm(min(groups, w), w),
                 nn.ReLU(),
-                nn.MaxPool2d(2),
+                MaxPool2d(2),
             ]
             c = w
         self.features = nn.Sequential(*blocks)

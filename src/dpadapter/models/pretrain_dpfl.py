@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from dpadapter.models.nets import _HeadMixin
+from dpadapter.models.pooling import MaxPool2d
 
 
 class PretrainDPFLCNN(_HeadMixin, nn.Module):
@@ -34,10 +35,10 @@ class PretrainDPFLCNN(_HeadMixin, nn.Module):
         self.features = nn.Sequential(
             nn.Conv2d(in_chans, c1, 3, 1, 1),
             nn.ReLU(),
-            nn.MaxPool2d(2),
+            MaxPool2d(2),
             nn.Conv2d(c1, c2, 3, 1, 1),
             nn.ReLU(),
-            nn.MaxPool2d(2),
+            MaxPool2d(2),
             nn.AdaptiveAvgPool2d(8),
             nn.Flatten(),
             nn.Linear(c2 * 64, hidden),
