@@ -43,7 +43,7 @@ from pathlib import Path
 
 # the servers' socket paths (`os.pathsep` between them); "0" or empty: run in-process
 ENV = "DPADAPTER_PREFORK"
-MIN_JOBS = 4  # fewer jobs of a thread count in a run: no server (its imports would not pay off)
+MIN_JOBS = 2  # jobs wait for a starting server: one import serves two (docs/measured.md)
 STARTING = ".starting"  # beside the socket while the server imports: its pid (jobs wait)
 STARTUP_WAIT_S = 120.0
 _MAX_MESSAGE = 1 << 22

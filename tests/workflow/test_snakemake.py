@@ -111,6 +111,8 @@ def test_pipeline_end_to_end_on_tiny_config(tiny_run):
     # them; the first may run on its own while the server imports
     forked = (wd / "results/logs/prefork.log").read_text()
     assert forked.count(" finetune ") == 8, forked
+    # warm-up and pre-training (2 threads each) by a server of their own: three jobs, one import
+    assert forked.count(" warmup ") == 1 and forked.count(" pretrain ") == 2, forked
     # a second invocation has nothing to do
     again = _snakemake(wd, "-n")
     assert "Nothing to be done" in again.stdout + again.stderr

@@ -216,8 +216,7 @@ onstart:
     _tracking.check(CFG)
     # A local run's jobs start from one process that has imported torch, Opacus and MLflow
     # (dpadapter.prefork; DPADAPTER_PREFORK=0 turns it off); a cluster's jobs start their own.
-    # Not for a run of a few jobs: they start while the server imports, so it would import for
-    # nothing.
+    # Not for a run of one job: it would only wait for the server's imports instead of its own.
     if (
         _smk.runs_jobs_locally(workflow)
         and not _smk.uses_conda(workflow)
