@@ -26,7 +26,8 @@ The registry maps a name to a `Strategy`; `Strategy.schedule(total, t1_fraction)
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from torch import nn
@@ -187,6 +188,30 @@ def apply_phase(model: nn.Module, phase: str) -> list[nn.Parameter]:
     for p in inner.parameters():
         p.requires_grad_(id(p) in keep)
     return [p for p in inner.parameters() if id(p) in keep]
+
+
+@contextmanager
+def every_phase_trains(model: nn.Module, schedule: Schedule | None) -> Iterator[None]:
+    """Inside: every parameter some phase of `schedule` trains requires grad (the union of
+    its phases); after: the flags as they were.
+
+    The checks made before the first private step (the per-sample self-test, the independence
+    check's gradients) test the parameters that require grad: run at the first phase alone,
+    they would pass unified tuning on its head while the backbone trains after T1.
+    """
+    if schedule is None:
+        yield
+        return
+    inner = getattr(model, "_module", model)
+    before = [(p, p.requires_grad) for p in inner.parameters()]
+    for phase in {ph["phase"] for ph in schedule.phases()}:
+        for p in phase_params(inner, phase):
+            p.requires_grad_(True)
+    try:
+        yield
+    finally:
+        for p, flag in before:
+            p.requires_grad_(flag)
 
 
 def released_dims(model: nn.Module, phases: tuple[str, ...] = PHASES) -> dict[str, int]:

@@ -39,7 +39,7 @@ from dpadapter.per_sample.independence import (
 from dpadapter.per_sample.opacus_modes import OPACUS_MODES, wrap_opacus
 from dpadapter.per_sample.optimizers import dp_optimizer, optimizer_class
 from dpadapter.per_sample.precision import PRECISIONS, Precision, make_precision
-from dpadapter.per_sample.self_test import PerSampleCheckError, run_check
+from dpadapter.per_sample.self_test import PerSampleCheckError, run_checks
 
 GRAD_SAMPLE_MODES = (*OPACUS_MODES, "bk")
 # The record of a run whose self-test was switched off (`finetune.per_sample_check: false`):
@@ -119,7 +119,7 @@ def wrap_for_dp(
                 shape,
                 dtype,
                 check_batch,
-                lambda: run_check(
+                lambda: run_checks(
                     model, wrap, dp_optimizer, mode, shape, dtype, examples=check_batch
                 ),
             )

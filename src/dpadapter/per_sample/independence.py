@@ -3,34 +3,46 @@
 DP-SGD's sensitivity is C only if each example's clipped gradient depends on that example
 alone, and the released model holds nothing computed from private data but the noisy sums.
 Both fail, silently, for any layer that normalises with batch statistics (BatchNorm, timm's
-EvoNorm B*) or updates buffers in its forward (running statistics, `InstanceNorm2d(
-track_running_stats=True)`), whatever its type and whether or not its parameters are trained:
-a layer without trainable parameters is invisible to Opacus' validator and to the per-sample
-modes, yet it shapes every other layer's gradient. So the check is by behaviour, not by class:
+EvoNorm B*), updates buffers in its forward (running statistics, `InstanceNorm2d(
+track_running_stats=True)`), keeps a tensor computed from its inputs as a plain attribute, or
+mixes the examples' gradients in a custom backward, whatever its type and whether or not its
+parameters are trained: a layer without trainable parameters is invisible to Opacus' validator
+and to the per-sample modes, yet it shapes every other layer's gradient. So the check is by
+behaviour, not by class:
 
-1. A synthetic batch (`EXAMPLES` rows from a private generator, the data's sample shape; no
-   private value is read) runs through the model in the mode it will train in (`model.train()`),
-   every module's first call recorded.
-2. Each module, deepest first, is called again on its recorded inputs, and once more with one
-   example's rows replaced (`PERTURBED`), under the same random seed (dropout draws the same
-   masks): the other examples' outputs must not move, and none of its own buffers may change.
-   Inputs whose first dimension is not the batch are not perturbed (the enclosing module's
-   call covers them; the model itself is the last checked).
+1. A synthetic batch (rows from a private generator, the data's sample shape; no private value
+   is read) runs through the model in the mode it will train in (`model.train()`), every
+   module's first call recorded. This is done at two batch sizes (`batch_sizes`: the given one
+   and an odd one beside it), since a module may mix only at some sizes.
+2. Each module, deepest first, is called again on its recorded inputs, and once more per
+   changed example (`positions`: the first, since a module may mix through a reference
+   example such as `z - z[:1]`, one inside and the last) with that example's rows replaced,
+   under the same random seed (dropout draws the same masks). Every other example's output
+   must not move; in training mode, with a random output gradient that is zero on the changed
+   example, neither may the gradients of the module's inputs (the other examples' rows) nor of
+   its trainable parameters, and the changed example's own input gradient must be zero (a
+   custom backward that mixes gradients fails here, whatever its forward does); none of its
+   buffers may change, and the tensors it keeps in plain attributes may not differ between two
+   calls on different inputs (`module_state`: a cache of what the shape determines passes).
+   Inputs whose first dimension is not the batch are not changed (the enclosing module's call
+   covers them; the model itself is the last checked).
 3. A module that fails and holds buffers (running statistics) is pinned to eval mode
    (`models.pinned`: its statistics are read and never updated, whatever `train()` says) and
    checked again; if it passes, its statistics are frozen and reported. Any other failure
    refuses training, naming each module (qualified name and type).
 
-Every buffer is restored after each call, the modules' modes after the check, and the global
-RNG is forked: the check leaves the model as it found it, but for the pins. DP training paths
-reach it through `per_sample.wrap_for_dp` (at wrap time, or at the wrapped module's first
-forward when no sample shape was given), so no path trains a model that mixes examples.
-BatchNorm itself is frozen earlier by `models.batchnorm.freeze_batchnorm` (which keeps its
-trainable scale and shift apart from its statistics, as Opacus needs); this check catches what
-that leaves.
+Every buffer and tensor attribute is restored after each call, the modules' modes after the
+check, and the global RNG is forked: the check leaves the model as it found it, but for the
+pins. DP training paths reach it through `per_sample.wrap_for_dp` (at wrap time, or at the
+wrapped module's first forward when no sample shape was given), so no path trains a model that
+mixes examples. BatchNorm itself is frozen earlier by `models.batchnorm.freeze_batchnorm` (which
+keeps its trainable scale and shift apart from its statistics, as Opacus needs); this check
+catches what that leaves. A module can still evade any behavioural check (mixing only at a size
+never tried, or on a later call); docs/privacy.md lists what the bound rests on.
 
-Outputs are compared to `TOLERANCE` of their largest magnitude: kernels are deterministic
-for a fixed shape on the CPU, and mixing through batch statistics moves outputs by O(1).
+Outputs and gradients are compared to `TOLERANCE` of their largest magnitude: kernels are
+deterministic for a fixed shape on the CPU, an example whose output gradient is zero adds exact
+zeros to every sum, and mixing moves values by O(1).
 """
 
 from __future__ import annotations
@@ -46,11 +58,32 @@ from torch.utils._pytree import tree_leaves, tree_map
 from dpadapter.device import full_fp32
 from dpadapter.models.batchnorm import FrozenBatchNorm
 from dpadapter.models.pinned import is_pinned, pin_eval, unpin, unpinned_type
+from dpadapter.per_sample.module_state import (
+    attribute_values,
+    hooks_suspended,
+    restore_attributes,
+    restore_buffers,
+    same_values,
+    snapshot_attributes,
+    snapshot_buffers,
+)
 
 EXAMPLES = 6  # rarely a sequence length or a channel count: dim 0 of a batch-first input
-PERTURBED = 2  # the example changed; every other one must not move
+PERTURBED = 2  # the example changed inside the batch (besides the first and the last)
 SEED = 0x1DE9E4D5  # the synthetic inputs' own generator: nothing else draws from it
 TOLERANCE = 1e-6
+
+__all__ = [
+    "EXAMPLES",
+    "Independence",
+    "MixedExamplesError",
+    "batch_sizes",
+    "frozen_statistics",
+    "make_independent",
+    "positions",
+    "restore_buffers",
+    "snapshot_buffers",
+]
 
 
 class MixedExamplesError(ValueError):
@@ -65,6 +98,18 @@ class Independence:
     pinned: tuple[str, ...]  # those this check pinned (not by freeze_batchnorm)
     examples: int
     mode: str  # "train": the mode DP training runs in; "eval": feature extraction
+    batch_sizes: tuple[int, ...] = ()  # every size checked (`examples` first)
+
+
+def batch_sizes(examples: int) -> tuple[int, int]:
+    """`examples` and a size of the other parity beside it (6 -> 5, 7 -> 8)."""
+    return examples, examples - 1 if examples % 2 == 0 else examples + 1
+
+
+def positions(n: int) -> tuple[int, ...]:
+    """The examples changed one at a time: the first (a reference example), one inside, the
+    last."""
+    return tuple(sorted({0, min(PERTURBED, n - 1), n - 1}))
 
 
 def make_independent(
@@ -78,38 +123,22 @@ def make_independent(
     """Check `model` in training (or eval) mode; pin what can be pinned, else refuse.
 
     Returns the record for the log and metrics.json; raises MixedExamplesError naming every
-    module that still mixes examples or updates buffers.
+    module that still mixes examples or learns from them.
     """
-    if examples < 2 or not 0 <= PERTURBED < examples:
-        raise ValueError(f"the independence check needs at least {PERTURBED + 1} examples")
+    if examples < 4:
+        raise ValueError("the independence check needs at least 4 examples")
     device = _device(model)
     modes = {m: m.training for m in model.modules()}
     pinned: list[tuple[str, nn.Module]] = []
-    refused: list[str] = []
+    refused: dict[nn.Module, str] = {}
+    sizes = batch_sizes(examples)
     try:
         devices = [device] if device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices), torch.no_grad(), full_fp32():
+        # a model already wrapped (the check at its first forward) records nothing meanwhile
+        with torch.random.fork_rng(devices=devices), full_fp32(), hooks_suspended(model):
             model.train(train)
-            x = _synthetic((examples, *sample_shape), dtype, device)
-            calls = _record_calls(model, x)
-            bad: set[nn.Module] = set()  # refused, or containing a refused module
-            for name, m in reversed(list(model.named_modules())):  # children first
-                if any(c in bad for c in m.children()):
-                    bad.add(m)  # named through its child
-                    continue
-                if m not in calls:  # never called: nothing to check
-                    continue
-                why = _fault(m, calls[m], examples)
-                if why is None:
-                    continue
-                if train and _own_buffers(m) and not is_pinned(m):
-                    pin_eval(m)
-                    if _fault(m, calls[m], examples) is None:
-                        pinned.append((name, m))
-                        continue
-                    unpin(m)
-                bad.add(m)
-                refused.append(f"{_label(name, m)}: {why}")
+            for n in sizes:
+                _check_size(model, sample_shape, dtype, device, n, train, pinned, refused)
     finally:
         for m, training in modes.items():
             m.training = training  # a pinned module ignores it
@@ -120,7 +149,7 @@ def make_independent(
             "refused before any private step: in "
             + ("training" if train else "eval")
             + " mode, "
-            + "; ".join(refused)
+            + "; ".join(refused.values())
             + ". Such a module has no per-example gradient (each example's clipped gradient "
             "would depend on the rest of its batch, so the sensitivity is not C) or learns "
             "from private data outside the accounting. Replace it (GroupNorm, LayerNorm), or "
@@ -131,7 +160,32 @@ def make_independent(
         pinned=tuple(_label(n, m) for n, m in pinned),
         examples=examples,
         mode="train" if train else "eval",
+        batch_sizes=sizes,
     )
+
+
+def _check_size(model, sample_shape, dtype, device, n, train, pinned, refused) -> None:
+    """Every module at batch size n, deepest first; fills `pinned` and `refused`."""
+    with torch.no_grad():
+        calls = _record_calls(model, _synthetic((n, *sample_shape), dtype, device))
+    bad: set[nn.Module] = set(refused)  # refused, or containing a refused module
+    for name, m in reversed(list(model.named_modules())):  # children first
+        if m in bad or any(c in bad for c in m.children()):
+            bad.add(m)  # named through its child
+            continue
+        if m not in calls:  # never called: nothing to check
+            continue
+        why = _fault(m, calls[m], n, train)
+        if why is None:
+            continue
+        if train and _own_buffers(m) and not is_pinned(m):
+            pin_eval(m)
+            if _fault(m, calls[m], n, train) is None:
+                pinned.append((name, m))
+                continue
+            unpin(m)
+        bad.add(m)
+        refused[m] = f"{_label(name, m)}: {why} (batch of {n})"
 
 
 def frozen_statistics(model: nn.Module) -> list[str]:
@@ -167,14 +221,14 @@ def _own_buffers(m: nn.Module) -> bool:
 
 
 def _record_calls(model: nn.Module, x: torch.Tensor) -> dict[nn.Module, tuple]:
-    """Each module's first (args, kwargs) in one forward of `model` on x; buffers restored."""
+    """Each module's first (args, kwargs) in one forward of `model` on x; state restored."""
     calls: dict[nn.Module, tuple] = {}
 
     def keep(module, args, kwargs):
         calls.setdefault(module, (tree_map(_detached, args), tree_map(_detached, kwargs)))
 
     handles = [m.register_forward_pre_hook(keep, with_kwargs=True) for m in model.modules()]
-    snap = snapshot_buffers(model)
+    snap, attrs = snapshot_buffers(model), snapshot_attributes(model)
     try:
         torch.manual_seed(SEED)
         model(x)
@@ -182,49 +236,142 @@ def _record_calls(model: nn.Module, x: torch.Tensor) -> dict[nn.Module, tuple]:
         for h in handles:
             h.remove()
         restore_buffers(snap)
+        restore_attributes(attrs)
     return calls
 
 
-def _fault(m: nn.Module, call: tuple, n: int) -> str | None:
+class _Outcome:
+    """One call of a module: its outputs, gradients, state after it, and what it changed."""
+
+    def __init__(self, out, grads, state, changed):
+        self.out, self.grads, self.state, self.changed = out, grads, state, changed
+
+
+def _fault(m: nn.Module, call: tuple, n: int, train: bool) -> str | None:
     """Why `m` is not per-example in its current mode (None: it is)."""
-    args, kwargs = call
-    out, changed = _run(m, args, kwargs)
-    if m in changed:
-        names = ", ".join(sorted(changed[m]))
-        return f"its forward changes its buffers ({names})"
-    perturbed, any_row = _perturb((args, kwargs), n)
-    if not any_row:
-        return None
-    out2, _ = _run(m, *perturbed)
-    for a, b in zip(tree_leaves(out), tree_leaves(out2), strict=False):
-        if not (torch.is_tensor(a) and torch.is_tensor(b)) or a.shape != b.shape:
-            continue
-        if a.dim() == 0 or a.shape[0] != n or not a.is_floating_point():
-            continue
-        keep = torch.arange(n, device=a.device) != PERTURBED
-        ref, got = a[keep].double(), b[keep].double()
-        scale = max(float(ref.abs().max()) if ref.numel() else 0.0, 1.0)
-        if not bool(((got - ref).abs() <= TOLERANCE * scale).all()):
+    base = _run(m, call, n, None, train)
+    if base.changed:
+        return f"its forward changes its buffers ({', '.join(sorted(base.changed))})"
+    for pos in positions(n):
+        perturbed, any_row = _perturb(call, n, pos)
+        if not any_row:
+            return None
+        ref = _run(m, call, n, pos, train) if train else base
+        if _zero_row_leaks(ref.grads, pos):
+            return (
+                f"example {pos + 1} of {n} gets an input gradient although its own output "
+                "gradient is zero (the backward pass mixes examples)"
+            )
+        got = _run(m, perturbed, n, pos, train)
+        if base.state.keys() != got.state.keys() or any(
+            not same_values(v, got.state[k]) for k, v in base.state.items()
+        ):
+            return "it keeps tensors computed from its inputs (its state differs between calls)"
+        if _rows_moved(ref.out, got.out, n, pos):
             return (
                 f"its output for one example changes when another example of the batch "
-                f"changes (example {PERTURBED + 1} of {n})"
+                f"changes (example {pos + 1} of {n})"
+            )
+        if _grads_moved(ref.grads, got.grads, n, pos):
+            return (
+                f"the gradients of the other examples change when example {pos + 1} of {n} "
+                "changes, its own output gradient zero (the backward pass mixes examples)"
             )
     return None
 
 
-def _run(m: nn.Module, args: tuple, kwargs: dict) -> tuple[Any, dict[nn.Module, list[str]]]:
+def _run(m: nn.Module, call: tuple, n: int, zero_row: int | None, train: bool) -> _Outcome:
+    """Call `m` on a copy of `call`, state restored after. In training mode with `zero_row`,
+    also the gradients of its batch-first float inputs and trainable parameters for a random
+    output gradient whose row `zero_row` is zero."""
+    grad = train and zero_row is not None
+    args, kwargs = tree_map(lambda v: _leaf(v, n, grad), call)
+    inputs = [v for v in tree_leaves((args, kwargs)) if torch.is_tensor(v) and v.requires_grad]
     args, kwargs = tree_map(_cloned, (args, kwargs))  # an in-place forward keeps the record
-    snap = snapshot_buffers(m)
+    snap, attrs = snapshot_buffers(m), snapshot_attributes(m)
+    grads: list = []
     try:
-        torch.manual_seed(SEED)  # the same draws for both calls (dropout's masks)
-        out = tree_map(_cloned, m(*args, **kwargs))
+        torch.manual_seed(SEED)  # the same draws for every call (dropout's masks)
+        with torch.set_grad_enabled(grad):
+            out = m(*args, **kwargs)
+            if grad:
+                grads = _gradients(m, out, inputs, n, zero_row)
+        out = tree_map(lambda v: v.detach().clone() if torch.is_tensor(v) else v, out)
+        state = attribute_values(m)
     finally:
         changed = restore_buffers(snap)
-    return out, changed
+        restore_attributes(attrs)
+    return _Outcome(out, grads, state, [k for names in changed.values() for k in names])
 
 
-def _perturb(tree: Any, n: int) -> tuple[Any, bool]:
-    """`tree` with example PERTURBED changed in every batch-first tensor (other rows kept)."""
+def _gradients(m: nn.Module, out: Any, inputs: list, n: int, zero_row: int) -> list:
+    outs = [
+        o
+        for o in tree_leaves(out)
+        if torch.is_tensor(o) and o.dim() > 0 and o.shape[0] == n and o.requires_grad
+    ]
+    wrt = inputs + [p for p in m.parameters() if p.requires_grad]
+    if not outs or not wrt:
+        return []
+    gen = torch.Generator().manual_seed(SEED + 2)
+    total = 0
+    for o in outs:
+        w = torch.randn(o.shape, generator=gen).to(o.device, o.dtype)
+        w[zero_row] = 0
+        total = total + (o * w).sum()
+    got = torch.autograd.grad(total, wrt, allow_unused=True)
+    # inputs' gradients: batch rows ("rows"); parameters': whole ("all")
+    return [
+        (("rows" if i < len(inputs) else "all"), g.detach().clone() if g is not None else None)
+        for i, g in enumerate(got)
+    ]
+
+
+def _zero_row_leaks(grads: list, pos: int) -> bool:
+    """A per-example module maps a zero output gradient of an example to a zero input
+    gradient of that example (J_k^T 0 = 0): anything else came from the other examples."""
+    for kind, g in grads:
+        if kind == "rows" and g is not None:
+            scale = max(float(g.abs().max()), 1.0)
+            if float(g[pos].abs().max()) > TOLERANCE * scale:
+                return True
+    return False
+
+
+def _rows_moved(a_tree: Any, b_tree: Any, n: int, pos: int) -> bool:
+    for a, b in zip(tree_leaves(a_tree), tree_leaves(b_tree), strict=False):
+        if not (torch.is_tensor(a) and torch.is_tensor(b)) or a.shape != b.shape:
+            continue
+        if a.dim() == 0 or a.shape[0] != n or not a.is_floating_point():
+            continue
+        keep = torch.arange(n, device=a.device) != pos
+        if _moved(a[keep], b[keep]):
+            return True
+    return False
+
+
+def _grads_moved(a: list, b: list, n: int, pos: int) -> bool:
+    for (kind, ga), (_, gb) in zip(a, b, strict=True):
+        if ga is None or gb is None:
+            if (ga is None) != (gb is None):
+                return True
+            continue
+        if kind == "rows":
+            keep = torch.arange(n, device=ga.device) != pos
+            ga, gb = ga[keep], gb[keep]
+        if _moved(ga, gb):
+            return True
+    return False
+
+
+def _moved(ref: torch.Tensor, got: torch.Tensor) -> bool:
+    ref, got = ref.double(), got.double()
+    scale = max(float(ref.abs().max()) if ref.numel() else 0.0, 1.0)
+    return not bool(((got - ref).abs() <= TOLERANCE * scale).all())
+
+
+def _perturb(tree: Any, n: int, pos: int) -> tuple[Any, bool]:
+    """`tree` with example `pos` changed in every batch-first tensor (other rows kept)."""
     gen = torch.Generator().manual_seed(SEED + 1)
     changed = False
 
@@ -235,13 +382,23 @@ def _perturb(tree: Any, n: int) -> tuple[Any, bool]:
         v = v.clone()
         if v.is_floating_point():
             fresh = torch.randn(v.shape[1:], generator=gen).to(v.device, v.dtype)
-            v[PERTURBED] = fresh * 3 + 1
+            v[pos] = fresh * 3 + 1
         else:  # ids, masks: another example's values are valid ones
-            v[PERTURBED] = v[(PERTURBED + 1) % n]
+            v[pos] = v[(pos + 1) % n]
         changed = True
         return v
 
     return tree_map(one, tree), changed
+
+
+def _leaf(v: Any, n: int, grad: bool) -> Any:
+    """A batch-first float input as a leaf whose gradient is asked for (when `grad`)."""
+    if not torch.is_tensor(v):
+        return v
+    v = v.detach()
+    if grad and v.is_floating_point() and v.dim() > 0 and v.shape[0] == n:
+        return v.clone().requires_grad_()
+    return v
 
 
 def _detached(v: Any) -> Any:
@@ -250,31 +407,3 @@ def _detached(v: Any) -> Any:
 
 def _cloned(v: Any) -> Any:
     return v.clone() if torch.is_tensor(v) else v
-
-
-def snapshot_buffers(m: nn.Module) -> list[tuple[nn.Module, str, torch.Tensor, torch.Tensor]]:
-    """Every buffer of `m` and its submodules, with a copy of its values (`restore_buffers`)."""
-    return [
-        (mod, k, t, t.detach().clone())
-        for mod in m.modules()
-        for k, t in mod._buffers.items()
-        if t is not None
-    ]
-
-
-def restore_buffers(snap) -> dict[nn.Module, list[str]]:
-    """Put every buffer back (object and values); return those that had changed, by module."""
-    changed: dict[nn.Module, list[str]] = {}
-    for mod, k, t, saved in snap:
-        now = mod._buffers.get(k)
-        if now is not t or not _same(t, saved):
-            changed.setdefault(mod, []).append(k)
-            mod._buffers[k] = t
-            t.copy_(saved)
-    return changed
-
-
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.is_floating_point() or a.is_complex():
-        return bool(((a == b) | (a.isnan() & b.isnan())).all())
-    return torch.equal(a, b)

@@ -64,7 +64,7 @@ from opacus.optimizers import DPOptimizer
 from torch import nn
 
 from dpadapter.device import full_fp32
-from dpadapter.per_sample.independence import restore_buffers, snapshot_buffers
+from dpadapter.per_sample.module_state import restore_buffers, snapshot_buffers
 from dpadapter.per_sample.reference import Reference, reference
 
 TOLERANCE = 1e-3
@@ -75,12 +75,44 @@ ROUNDING_MARGIN = 10.0  # times each module's measured float32-vs-float64 roundi
 KINK_SHARE = 50
 KINK_STEP = 1e-3
 EXAMPLES = 8  # when no physical batch size is given
+SMALL = 5  # the second size checked: small and odd (a Poisson batch, a remainder, a rank's)
 SEED = 0x5E1F7E57  # the inputs' private generator: nothing else draws from it
 WHOLE = "the whole gradient"
 
 
 class PerSampleCheckError(RuntimeError):
     """The per-sample mode's norms or sums disagree with the reference: training is refused."""
+
+
+def run_checks(
+    model: nn.Module,
+    wrap: Callable[[], nn.Module],
+    make_optimizer: Callable[..., DPOptimizer],
+    mode: str,
+    sample_shape: Sequence[int],
+    dtype: torch.dtype = torch.float32,
+    examples: int | None = None,
+    tolerance: float = TOLERANCE,
+) -> tuple[nn.Module, dict[str, Any]]:
+    """`run_check` at two batch sizes: the physical one and a small odd one (`SMALL`).
+
+    Poisson batches, the remainder of a logical batch split into physical ones and a rank's
+    share of a batch reach sizes far from the physical one, and bk picks its code path by the
+    batch size (ghost norm or materialised gradients): one size alone tests one path. The
+    record is the physical size's, with the small size's verdict under `also_at`.
+    """
+    n = max(2, examples or EXAMPLES)
+    small = SMALL if n != SMALL else SMALL + 2
+    first, at_small = run_check(
+        model, wrap, make_optimizer, mode, sample_shape, dtype, small, tolerance
+    )
+    if hasattr(first, "_close"):
+        first._close()
+    wrapped, record = run_check(
+        model, wrap, make_optimizer, mode, sample_shape, dtype, n, tolerance
+    )
+    record["also_at"] = {k: at_small[k] for k in ("examples", "max_rel_error", "passed", "worst")}
+    return wrapped, record
 
 
 def run_check(

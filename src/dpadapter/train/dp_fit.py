@@ -31,7 +31,7 @@ from dpadapter.per_sample import (
 )
 from dpadapter.privacy import PrivacyLedger, randomness, verify_plan
 from dpadapter.settings import Config
-from dpadapter.strategies import Schedule, apply_phase
+from dpadapter.strategies import Schedule, apply_phase, every_phase_trains
 from dpadapter.train.batching import PAD_LABEL, dp_batches, masked_cross_entropy
 from dpadapter.train.dp_spec import padding
 from dpadapter.train.loops import evaluate, progress
@@ -171,7 +171,8 @@ def dp_fit(
     # The independence check and the self-test draw synthetic inputs of the data's sample
     # shape (no private value is read), the self-test as many as a physical batch will hold.
     x = train.tensors[0]
-    with clock.phase("independence_and_self_test"):
+    # the checks test every parameter the run will train: the union of the strategy's phases
+    with clock.phase("independence_and_self_test"), every_phase_trains(model, schedule):
         gsm = wrap_for_dp(
             model,
             settings.grad_sample_mode,
