@@ -288,7 +288,41 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device) -> di
             row["peak_mem_mib"] = round(peak[m] / 2**20, 1)
             row["step_mem_mib"] = round(extra[m] / 2**20, 1)
         out["modes"][m] = row
+    if args.profile:
+        for m in modes:
+            out["modes"][m]["profile"] = profile_step(runners[m], x, y, device)
+            runners[m].release()
     return out
+
+
+def profile_step(runner: Runner, x: torch.Tensor, y: torch.Tensor, device: torch.device) -> dict:
+    """One step under torch's profiler: the kernels it launched on the GPU and their summed time
+    (on the CPU: the ATen ops it ran, a proxy; `bench/op_count.py` counts those without the
+    profiler). A launch-bound step shows many kernels of a few microseconds each."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    runner.step(x, y)  # untimed: caches warm
+    runner.release()
+    _sync(device)
+    with profile(activities=acts) as prof:
+        runner.step(x, y)
+        _sync(device)
+    events = prof.events()
+    if device.type == "cuda":
+        kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+        busy_us = sum(e.device_time for e in kernels)
+        what = "cuda_kernels"
+    else:
+        kernels = [e for e in events if e.name.startswith("aten::") and e.cpu_parent is None]
+        busy_us = sum(e.cpu_time_total for e in kernels)
+        what = "cpu_top_level_aten_ops"
+    return {
+        "what": what,
+        "count": len(kernels),
+        "busy_ms": round(busy_us / 1000, 3),
+        "us_per_kernel": round(busy_us / max(len(kernels), 1), 2),
+    }
 
 
 def markdown(report: dict) -> str:
@@ -320,6 +354,19 @@ def markdown(report: dict) -> str:
         lines.append(f"| {label} | " + " | ".join(cells) + f" | {ok} |")
     if cuda:
         lines += ["", "Ratios are DP step / non-private step; in brackets the peak GPU memory."]
+    profiled = [r for r in report["results"] if "profile" in r["modes"]["nonprivate"]]
+    if profiled:
+        what = profiled[0]["modes"]["nonprivate"]["profile"]["what"]
+        lines += ["", f"One profiled step per mode ({what}: count, busy ms, µs each):", ""]
+        lines += ["| model | " + " | ".join(modes) + " |", "|---|" + "---|" * len(modes)]
+        for r in profiled:
+            cells = [
+                "{count} ({busy_ms:.1f} ms, {us_per_kernel:.0f} µs)".format(
+                    **r["modes"][m]["profile"]
+                )
+                for m in modes
+            ]
+            lines.append(f"| {r['model']} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -344,6 +391,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tiny", action="store_true", help="small batches: a smoke run")
     ap.add_argument("--tiny-batch", type=int, default=8)
     ap.add_argument("--out", type=Path, help="write dp_modes.json and dp_modes.md here")
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="also one profiled step per mode: kernels launched and their time (issue 47)",
+    )
     ap.add_argument(
         "--batch",
         nargs="*",

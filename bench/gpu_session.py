@@ -162,7 +162,7 @@ class Session:
         # the dry run: the model the Table 2 mode is chosen on (both on the GPU)
         models = ["gnresnet10"] if self.dry else ["gnresnet10", "resnet20-gn"]
         cmd += ["--models", *models, "--batch", "gnresnet10=512"]
-        cmd += ["--modes", "bk", "hooks", "functorch", "ew", "ghost"]
+        cmd += ["--modes", "bk", "hooks", "functorch", "ew", "ghost", "--profile"]  # issue 47
         cmd += ["--steps", "1", "--warmup", "0", "--settle", "0", "--tiny"] if self.dry else [
             "--steps", "10", "--warmup", "2"]  # fmt: skip
         self.step("dp_modes", cmd)

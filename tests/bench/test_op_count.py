@@ -1,0 +1,41 @@
+"""bench/op_count.py: the dispatched ops of one step per mode (issue 47, item 1)."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from bench_scripts import import_bench
+
+
+def test_counts_each_modes_ops_with_the_noise_and_writes_the_table(tmp_path):
+    oc = import_bench("op_count")
+    assert oc.main(["--tiny", "--models", "gnresnet10", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "op_count.json").read_text())
+    modes = report["results"][0]["modes"]
+    assert list(modes) == ["nonprivate", "bk", "hooks", "ghost"]
+    for m in modes.values():
+        assert sum(m["by_op"].values()) == m["ops"] > 0 and m["bytes_allocated"] > 0
+    assert modes["nonprivate"]["ratio"] == 1.0
+    assert modes["nonprivate"]["by_op"]["convolution"] == modes["bk"]["by_op"]["convolution"]
+    # the DP modes draw noise (one normal_ per parameter tensor); the plain step none
+    n_params = sum(
+        1 for _ in oc.create_model(oc.SETTINGS["gnresnet10"].model, 10, 1, 0).parameters()
+    )
+    assert modes["bk"]["by_op"].get("normal", 0) == n_params, modes["bk"]["by_op"]
+    assert "normal" not in modes["nonprivate"]["by_op"]
+    assert all(modes[m]["ops"] > modes["nonprivate"]["ops"] for m in ("bk", "hooks", "ghost"))
+    assert "| gnresnet10 | 8 | bk |" in (tmp_path / "op_count.md").read_text()
+
+
+def test_views_and_allocations_are_left_out():
+    oc = import_bench("op_count")
+    x = torch.randn(4, 3)
+    with oc.OpCounter() as c:
+        y = x.view(12)
+        torch.empty(3)
+        z = y * 2
+        z.add_(1)
+    assert c.ops == {"mul": 1, "add_": 1}, c.ops
+    assert c.views["view"] == 1 and c.views["empty"] == 1
+    assert c.bytes == 12 * 4  # the product's storage; the in-place add allocates nothing
