@@ -87,6 +87,47 @@ def _rows(acc_eps1, acc_eps4, std, n):
 def test_finetune_table_carries_the_flags(eps1, eps4, std, n, want):
     md = aggregate.table1_markdown(_rows(eps1, eps4, std, n), ["standard"])
     body = [ln for ln in md.splitlines() if ln.startswith("| dpsgd | standard |")]
-    # the accuracy table and the robust-accuracy table, eps=4 is the fourth cell of each
-    assert [[c.strip() for c in ln.split("|")[1:-1]][3] for ln in body] == [want, want]
+    # the accuracy table and the robust-accuracy table, eps=4 is the fourth cell of each (the
+    # third table, ε spent, has no marks of this kind)
+    assert [[c.strip() for c in ln.split("|")[1:-1]][3] for ln in body[:2]] == [want, want]
     assert "How to read this" in md
+
+
+def test_cells_that_know_their_seeds_are_compared_seed_with_seed():
+    """Issue 48: seed 1 low at both ε. Unpaired, its luck is noise and the 2-point drop is
+    within it; paired, every seed drops by about 2 points: beyond the noise of the differences."""
+    lo = Stat.of([0.80, 0.70, 0.81], seeds=[0, 1, 2])
+    hi = Stat.of([0.78, 0.68, 0.785], seeds=[0, 1, 2])
+    unpaired = (Stat(lo.mean, lo.std, lo.n), Stat(hi.mean, hi.std, hi.n))
+    assert tables.order_flag(*unpaired) == WITHIN_NOISE
+    assert tables.order_flag(lo, hi) == INVERTED
+    # two seeds drop, one gains more
+    hi2 = Stat.of([0.78, 0.68, 0.86], seeds=[0, 1, 2])
+    assert tables.order_flag(lo, hi2) is None  # on average no drop
+    # seeds that do not match: unpaired, as before
+    other = Stat.of([0.78, 0.68, 0.785], seeds=[5, 6, 7])
+    assert tables.order_flag(lo, other) == WITHIN_NOISE
+    assert "per-seed differences" in tables.how_to_read(paired=True)
+    assert "combined std" in tables.how_to_read()
+
+
+def test_the_fine_tuning_table_shows_epsilon_spent_and_marks_an_underspent_cell(tmp_path):
+    """Issue 50, item 1: ε spent (with δ and the accountant) beside the accuracy."""
+    import json
+
+    paths = []
+    for eps, spent in ((1.0, 0.998), (4.0, 3.9)):
+        for seed in (0, 1):
+            m = {
+                "wildcards": {"upstream": "standard", "task": "t", "algo": "dpsgd",
+                              "eps": f"{eps:g}", "seed": str(seed)},
+                "test_accuracy": 0.8, "test_robust_accuracy": 0.7,
+                "privacy": {"epsilon": spent - 0.001 * seed, "delta": 1e-5, "accountant": "prv"},
+            }  # fmt: skip
+            p = tmp_path / f"{eps}-{seed}.json"
+            p.write_text(json.dumps(m))
+            paths.append(p)
+    aggregate.run(paths, [], ["standard"], tmp_path / "f.csv", tmp_path / "f.md")
+    md = (tmp_path / "f.md").read_text()
+    assert "δ = 1e-05, accountant prv" in md
+    assert "| dpsgd | standard | 0.998 | 3.900 ‡ |" in md  # the largest over seeds; 3.9 < 4

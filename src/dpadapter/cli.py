@@ -53,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     a.add_argument("--pretrain", nargs="*", default=[], type=Path)
     a.add_argument("--csv", required=True, type=Path)
     a.add_argument("--md", required=True, type=Path)
+    a.add_argument("--paired-json", type=Path, help="the paired differences' numbers")
     fg = sub.add_parser("figures", help="figures of the main run")
     fg.add_argument("--finetune-csv", required=True, type=Path)
     fg.add_argument("--pretrain", nargs="+", required=True, type=Path)
@@ -73,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     add_federated_parsers(sub.add_parser("federated", help="DP federated learning (Pretrain-DPFL)"))
     add_audit_parsers(sub.add_parser("audit", help="empirical privacy audit (one-run canaries)"))
     va = sub.add_parser("validity", help="results/summary/validity.md: each claim, tested")
-    for k in ("hpo", "federated-rule", "finetune", "gpu-summary"):
+    for k in ("hpo", "federated-rule", "finetune", "gpu-summary", "paired"):
         va.add_argument(f"--{k}", type=Path, default=None)
     va.add_argument("--out", required=True, type=Path)
     rp = sub.add_parser("report-page", help="one summary table as an HTML page of the report")
@@ -163,7 +164,9 @@ def _dispatch(args: argparse.Namespace, cfg) -> None:
     elif args.stage == "aggregate":
         from dpadapter.stages import aggregate
 
-        rows = aggregate.run(args.metrics, args.pretrain, list(cfg.upstreams), args.csv, args.md)
+        rows = aggregate.run(
+            args.metrics, args.pretrain, list(cfg.upstreams), args.csv, args.md, args.paired_json
+        )
         print(f"aggregate: {len(rows)} rows from {len(args.metrics)} runs", file=sys.stderr)
         _print_written([args.csv, args.md])
     elif args.stage == "figures":
@@ -209,7 +212,7 @@ def _dispatch(args: argparse.Namespace, cfg) -> None:
         from dpadapter.stages import validity
 
         a = args
-        print(validity.run(a.hpo, a.federated_rule, a.finetune, a.out, a.gpu_summary))
+        print(validity.run(a.hpo, a.federated_rule, a.finetune, a.out, a.gpu_summary, a.paired))
     elif args.stage == "report-page":
         from dpadapter.stages import report
 

@@ -11,6 +11,11 @@ cost accuracy:
 - `≈` the drop is within that combined std: the cells are indistinguishable at this many seeds;
 - `?` one of the two cells has one seed, so the noise is unknown and the drop cannot be judged.
 
+Where both cells know their seeds (`Stat.by_seed`: the fine-tuning table, whose cells of one
+seed share the head, the batches and the noise draws), the comparison is paired: the drop is the
+mean of the per-seed differences and the noise their std, so a seed that is low in both cells
+does not count as noise (issue 48).
+
 Used by the fine-tuning (`stages.aggregate`), HPO (`hpo.network.summary`, `hpo.probe.summary`),
 federated (`federated.summary`) and audit (`audit.stage`) tables; `how_to_read` is the note
 printed under each of them.
@@ -22,7 +27,7 @@ import csv
 import math
 import statistics
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 SINGLE = "†"
@@ -40,13 +45,17 @@ class Stat:
     mean: float
     std: float
     n: int
+    by_seed: tuple[tuple[int, float], ...] = field(default=(), compare=False)
 
     @classmethod
-    def of(cls, values: Sequence[float]) -> Stat:
+    def of(cls, values: Sequence[float], seeds: Sequence[int] | None = None) -> Stat:
+        """`seeds` (one per value) make the cell pairable with another of the same seeds."""
         xs = [float(v) for v in values]
         if not xs:
             raise ValueError("a cell needs at least one value")
-        return cls(statistics.fmean(xs), statistics.stdev(xs) if len(xs) > 1 else 0.0, len(xs))
+        by_seed = tuple(zip((int(s) for s in seeds), xs, strict=True)) if seeds else ()
+        std = statistics.stdev(xs) if len(xs) > 1 else 0.0
+        return cls(statistics.fmean(xs), std, len(xs), by_seed)
 
 
 def combined_std(a: Stat, b: Stat) -> float:
@@ -54,7 +63,16 @@ def combined_std(a: Stat, b: Stat) -> float:
 
 
 def order_flag(lower_eps: Stat, higher_eps: Stat) -> str | None:
-    """The flag of the higher-ε cell against one lower-ε cell of its row (None: no drop)."""
+    """The flag of the higher-ε cell against one lower-ε cell of its row (None: no drop);
+    paired by seed where both cells know their seeds."""
+    lo, hi = dict(lower_eps.by_seed), dict(higher_eps.by_seed)
+    common = sorted(lo.keys() & hi.keys())
+    if len(common) >= 2:
+        diffs = [lo[s] - hi[s] for s in common]
+        drop = statistics.fmean(diffs)
+        if not drop > 0:
+            return None
+        return INVERTED if drop > statistics.stdev(diffs) else WITHIN_NOISE
     drop = lower_eps.mean - higher_eps.mean
     if not drop > 0:
         return None
@@ -99,17 +117,27 @@ def flagged_cells(
 
 
 def how_to_read(
-    quantity: str = "test accuracy (%)", unit: str = "seeds", upper_bounds: bool = True
+    quantity: str = "test accuracy (%)",
+    unit: str = "seeds",
+    upper_bounds: bool = True,
+    paired: bool = False,
 ) -> str:
-    """The note under a table: what a cell is and what each mark means."""
+    """The note under a table: what a cell is and what each mark means (`paired`: the ε marks
+    compare seed with seed, `order_flag`)."""
+    noise = (
+        "the std of its per-seed differences from that cell (paired by seed: the same head, "
+        "batches and noise draws)"
+        if paired
+        else "the combined std sqrt(std₁² + std₂²) of the two cells"
+    )
     text = (
         f"**How to read this.** A cell is the mean ± sample std of the {quantity} over {unit}, "
         f"with n the number of {unit}. {SINGLE}: n = 1, no spread was measured — do not compare "
         f"it with other cells as if it had one. A larger ε should not do worse than a smaller "
-        f"one of the same row: {INVERTED} it does, by more than the combined std "
-        f"sqrt(std₁² + std₂²) of the two cells (beyond the seed noise); {WITHIN_NOISE} it does, "
-        f"but within that combined std (the two cells are indistinguishable at this n); "
-        f"{UNKNOWN} it does, but one of the cells has n = 1, so the noise is unknown."
+        f"one of the same row: {INVERTED} it does, on average by more than {noise} (beyond the "
+        f"seed noise); {WITHIN_NOISE} it does, but within that (the two cells are "
+        f"indistinguishable at this n); {UNKNOWN} it does, but one of the cells has n = 1, so "
+        f"the noise is unknown."
     )
     if upper_bounds:
         text += " Every ε is an upper bound from the accountant over every step taken."

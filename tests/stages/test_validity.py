@@ -1,6 +1,5 @@
 """validity.md from hand-written summaries: numbers, intervals, verdicts and missing runs."""
 
-import csv
 import json
 
 import pytest
@@ -58,27 +57,34 @@ def _rule(tmp_path, hits, n, low, high, always_ht=0.6):
     return p
 
 
-def _finetune(tmp_path, dpadapter_acc):
-    p = tmp_path / "finetune.csv"
-    rows = []
+def _paired(tmp_path, dpadapter_acc):
+    """paired.json (`stages.paired`) of a grid of jobs: three seeds, per-seed spread."""
+    from dpadapter.stages import paired
+
+    paths = []
     for task in ("same", "shift"):
         for eps in (1, 4):
             for up, acc in (("standard", 0.80), ("control", 0.79), ("dpadapter", dpadapter_acc)):
-                rows.append({"upstream": up, "task": task, "algorithm": "dpsgd", "epsilon": eps,
-                             "mean_accuracy": acc + 0.001 * eps, "std_accuracy": 0.005,
-                             "n_seeds": 3})  # fmt: skip
-    with open(p, "w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
-    return p
+                for seed, luck in enumerate((0.004, -0.006, 0.002)):
+                    wiggle = 0.001 * ((seed * 7 + len(up)) % 3)
+                    m = {"wildcards": {"upstream": up, "task": task, "algo": "dpsgd",
+                                       "eps": str(eps), "seed": str(seed)},
+                         "test_accuracy": acc + 0.001 * eps + luck + wiggle}  # fmt: skip
+                    p = tmp_path / f"{up}-{task}-{eps}-{seed}.json"
+                    p.write_text(json.dumps(m))
+                    paths.append(p)
+    out = tmp_path / "paired.json"
+    paired.run(paths, out)
+    return out
 
 
 def test_every_claim_has_paper_ours_setting_and_verdict(tmp_path):
     text = validity.build(
         _hpo(tmp_path, (0.6, 0.8, 0.9)),
         _rule(tmp_path, 9, 10, 0.6, 0.98),
-        _finetune(tmp_path, 0.78),
+        None,
+        None,
+        _paired(tmp_path, 0.78),
     )
     assert "77.6 %" in text and "RERR 80.0 % [60.0, 90.0]" in text
     assert "better than random search: **holds**" in text and "consistent with the paper" in text
@@ -88,6 +94,7 @@ def test_every_claim_has_paper_ours_setting_and_verdict(tmp_path):
     assert "Better than the best fixed choice (0.60)**: **inconclusive**" in text
     assert "72.92 %" in text and "DPAdapter − standard" in text and "DPAdapter − control" in text
     assert "DPAdapter better: **does not hold**" in text  # 0.78 < 0.80 in every cell
+    assert "paired by seed" in text and "would be detected with 80% power" in text
     assert "GPU run pending" in text
 
 
@@ -95,7 +102,9 @@ def test_negative_results_are_said_plainly(tmp_path):
     text = validity.build(
         _hpo(tmp_path, (-0.5, -0.3, -0.1), holds=False),
         _rule(tmp_path, 3, 10, 0.1, 0.6, always_ht=0.7),
-        _finetune(tmp_path, 0.85),
+        None,
+        None,
+        _paired(tmp_path, 0.85),
     )
     assert "better than random search: **does not hold**" in text
     assert "below the paper's range" in text

@@ -4,13 +4,15 @@ FINETUNE_METRICS = [
 
 
 rule aggregate:
-    """Mean and std over seeds: finetune.csv and the Table-1-style finetune.md."""
+    """Mean and std over seeds: finetune.csv and the Table-1-style finetune.md, with the
+    paired differences between upstreams (paired.json: their numbers, for the validity page)."""
     input:
         finetune=FINETUNE_METRICS,
         pretrain=expand(f"{RESULTS}/pretrain/{{upstream}}/metrics.json", upstream=UPSTREAMS),
     output:
         csv=f"{RESULTS}/summary/finetune.csv",
         md=f"{RESULTS}/summary/finetune.md",
+        paired=f"{RESULTS}/summary/paired.json",
     params:
         **JOB_PARAMS,
     log:
@@ -21,7 +23,8 @@ rule aggregate:
         **cpu_job(),
     shell:
         "{params.python} -m dpadapter --config {params.config} aggregate --metrics {input.finetune} "
-        "--pretrain {input.pretrain} --csv {output.csv} --md {output.md} > {log} 2>&1"
+        "--pretrain {input.pretrain} --csv {output.csv} --md {output.md} "
+        "--paired-json {output.paired} > {log} 2>&1"
 
 
 FIGURE_ALGOS = list(dict.fromkeys(a for _, _, a, _, _ in CFG.finetune_grid()))

@@ -10,6 +10,7 @@ rule validity:
         hpo=f"{RESULTS}/summary/hpo.json",
         rule=f"{RESULTS}/summary/federated_rule.json",
         finetune=f"{RESULTS}/summary/finetune.csv",
+        paired=f"{RESULTS}/summary/paired.json",
     output:
         md=f"{RESULTS}/summary/validity.md",
     params:
@@ -22,4 +23,5 @@ rule validity:
         **cpu_job(runtime=5),
     shell:
         "{params.python} -m dpadapter --config {params.config} validity --hpo {input.hpo} "
-        "--federated-rule {input.rule} --finetune {input.finetune} --out {output.md} > {log} 2>&1"
+        "--federated-rule {input.rule} --finetune {input.finetune} --paired {input.paired} "
+        "--out {output.md} > {log} 2>&1"

@@ -42,6 +42,9 @@ def collect(paths: list[Path]) -> list[dict]:
     for (up, task, algo, eps), ms in sorted(groups.items()):
         acc = Stat.of([m["test_accuracy"] for m in ms])
         robust = Stat.of([m["test_robust_accuracy"] for m in ms])
+        seeds = [int(m["wildcards"].get("seed", -1 - i)) for i, m in enumerate(ms)]
+        acc_by_seed = tuple(zip(seeds, (m["test_accuracy"] for m in ms), strict=True))
+        robust_by_seed = tuple(zip(seeds, (m["test_robust_accuracy"] for m in ms), strict=True))
         rows.append(
             {
                 "upstream": up,
@@ -53,7 +56,17 @@ def collect(paths: list[Path]) -> list[dict]:
                 "n_seeds": acc.n,
                 "mean_robust_accuracy": robust.mean,
                 "mean_epsilon_spent": statistics.fmean(m["privacy"]["epsilon"] for m in ms),
+                "_eps_max": max(m["privacy"]["epsilon"] for m in ms),
+                "_deltas": {m["privacy"]["delta"] for m in ms if "delta" in m["privacy"]},
+                "_accountants": {
+                    m["privacy"]["accountant"] for m in ms if "accountant" in m["privacy"]
+                },
                 "std_robust_accuracy": robust.std,
+                # not columns: each seed's value, so that the ε marks compare seed with seed
+                "_by_seed": {
+                    "mean_accuracy": acc_by_seed,
+                    "mean_robust_accuracy": robust_by_seed,
+                },
             }
         )
     return rows
@@ -65,7 +78,7 @@ def _cells(rows: list[dict], mean: str, std: str) -> dict[tuple, str]:
         (*key, eps): text
         for (key, eps), text in flagged_cells(
             ((r["algorithm"], r["upstream"], r["task"]), r["epsilon"],
-             Stat(r[mean], r[std], r["n_seeds"]))
+             Stat(r[mean], r[std], r["n_seeds"], r.get("_by_seed", {}).get(mean, ())))
             for r in rows
         ).items()
     }  # fmt: skip
@@ -128,7 +141,7 @@ def table1_markdown(
             lines.append(f"| {a} | {u} | " + " | ".join(cells) + " |")
     if absent:
         lines += ["", absence_note(absent)]
-    lines += ["", how_to_read(), ""]
+    lines += ["", how_to_read(paired=True), ""]
     rob = sorted(
         {(r["algorithm"], r["upstream"]) for r in rows},
         key=lambda k: (algos.index(k[0]), ups.index(k[1])),
@@ -148,7 +161,47 @@ def table1_markdown(
     for a, u in rob:
         cells = [robust.get((a, u, t, e), "–") for t in tasks for e in epss]
         lines.append(f"| {a} | {u} | " + " | ".join(cells) + " |")
+    lines += privacy_spent(rows, rob, tasks, epss)
     return "\n".join(lines) + "\n"
+
+
+# how far below its target a job's ε may end: the calibration's own tolerance on ε
+# (privacy.calibration.OPACUS); a cell further below spent less than it was given
+SPENT_TOLERANCE = 0.005
+UNDER = "‡"
+
+
+def privacy_spent(rows: list[dict], keys: list[tuple], tasks: list, epss: list) -> list[str]:
+    """ε spent per cell (the largest over its seeds, from each job's accountant), with δ and
+    the accountant; a cell more than the calibration's tolerance below its target is marked."""
+    by = {(r["algorithm"], r["upstream"], r["task"], r["epsilon"]): r for r in rows}
+    deltas = sorted({d for r in rows for d in r.get("_deltas", ())})
+    accountants = sorted({a for r in rows for a in r.get("_accountants", ())})
+    lines = [
+        "",
+        "ε spent (the largest over the seeds of a cell: each job's accountant over every step it "
+        f"took), δ = {', '.join(f'{d:g}' for d in deltas) or '?'}, accountant "
+        f"{', '.join(accountants) or '?'}; {UNDER} more than {SPENT_TOLERANCE} below the target "
+        "(spent less than it was given):",
+        "",
+        "| "
+        + " | ".join(["Algorithm", "Upstream"] + [f"{t} ε={e:g}" for t in tasks for e in epss])
+        + " |",
+        "|" + "---|" * (2 + len(tasks) * len(epss)),
+    ]
+    for a, u in keys:
+        cells = []
+        for t in tasks:
+            for e in epss:
+                r = by.get((a, u, t, e))
+                spent = None if r is None else r.get("_eps_max", r.get("mean_epsilon_spent"))
+                if spent is None:
+                    cells.append("–")
+                    continue
+                mark = f" {UNDER}" if spent < e - SPENT_TOLERANCE else ""
+                cells.append(f"{spent:.3f}{mark}")
+        lines.append(f"| {a} | {u} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def run(
@@ -157,12 +210,41 @@ def run(
     upstream_order: list[str],
     csv_out: Path,
     md_out: Path,
+    paired_json: Path | None = None,
 ) -> list[dict]:
+    """finetune.csv and finetune.md: the table, the paired differences between upstreams
+    (`stages.paired`; their numbers to `paired_json`) and any unverified jobs named."""
+    from dpadapter.stages import paired
+
     rows = collect(metrics_paths)
     write_csv(rows, csv_out, COLUMNS)
     pre = {}
     for p in pretrain_paths:
         m = json.loads(Path(p).read_text())
         pre[m["wildcards"]["upstream"]] = m
-    md_out.write_text(table1_markdown(rows, upstream_order, pre))
+    md_out.write_text(
+        table1_markdown(rows, upstream_order, pre)
+        + paired.run(metrics_paths, paired_json)
+        + unverified_note(metrics_paths)
+    )
     return rows
+
+
+def unverified_note(metrics_paths: list[Path]) -> str:
+    """A caveat under the table (and so in the report) naming every job whose per-example
+    clipping was not verified (`finetune.per_sample_check: false`); empty when all were."""
+    jobs = []
+    for p in metrics_paths:
+        m = json.loads(Path(p).read_text())
+        if (m.get("per_sample_check") or {}).get("verified") is False:
+            w = m["wildcards"]
+            seed = w.get("seed", "?")
+            jobs.append(f"{w['upstream']}/{w['task']}/{w['algo']}/eps{w['eps']}/seed{seed}")
+    if not jobs:
+        return ""
+    return (
+        f"\n**Per-example clipping unverified** in {len(jobs)} of {len(metrics_paths)} jobs "
+        "(`finetune.per_sample_check: false`: the per-sample self-test did not run, so their "
+        "per-example norms and clipped sums were not compared with the reference before "
+        "training; their ε assumes they are right): " + ", ".join(sorted(jobs)) + ".\n"
+    )

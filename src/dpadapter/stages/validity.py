@@ -8,9 +8,10 @@ typed in by hand):
   and RERR with a Student-t interval over HPO seeds);
 - the T1 rule (Pretrain-DPFL): `federated_rule.json` (cell hit rate with a Wilson interval
   against always-HT, always-FT and a coin; the step-size assumption);
-- DPAdapter: `finetune.csv` (DPAdapter minus standard pre-training, and minus the
-  compute-matched control, per task and epsilon under DP-SGD), plus the paper-recipe GPU run,
-  stated as pending with its command until its summary exists.
+- DPAdapter: `paired.json` (`stages.paired`: DPAdapter minus standard pre-training, and minus
+  the compute-matched control, per task and epsilon under DP-SGD, paired by seed, pooled over
+  cells and seeds with the smallest difference the seeds detect), plus the paper-recipe GPU
+  run, stated as pending with its command until its summary exists.
 
 A missing input is a section that says which command produces it, never a silent gap.
 Verdicts: "holds", "does not hold" or "inconclusive" (the interval straddles the threshold).
@@ -18,13 +19,9 @@ Verdicts: "holds", "does not hold" or "inconclusive" (the interval straddles the
 
 from __future__ import annotations
 
-import csv
 import json
 import math
 from pathlib import Path
-from typing import Any
-
-from dpadapter.stats import t_interval
 
 PAPER_HPO_RERR = {"CIFAR10": 77.63, "CIFAR100": 84.85, "ImageNet": 83.33, "SQuAD": 86.85}
 PAPER_DPADAPTER = (72.92, 77.09)  # average accuracy, DP-SGD, eps = 4, three downstream tasks
@@ -142,12 +139,7 @@ def t1_section(path: Path | None) -> list[str]:
     return out
 
 
-def _read_csv(path: Path) -> list[dict[str, Any]]:
-    with open(path, newline="") as fh:
-        return list(csv.DictReader(fh))
-
-
-def dpadapter_section(path: Path | None, gpu_summary: Path | None = None) -> list[str]:
+def dpadapter_section(paired: Path | None, gpu_summary: Path | None = None) -> list[str]:
     lo, hi = PAPER_DPADAPTER
     out = [
         "## 3. DPAdapter (noise-robust pre-training)",
@@ -155,37 +147,38 @@ def dpadapter_section(path: Path | None, gpu_summary: Path | None = None) -> lis
         f"- **Paper**: DP-SGD at ε = 4, average over three downstream tasks: {lo:.2f} % "
         f"(standard pre-training) → {hi:.2f} % with DPAdapter (+{hi - lo:.2f} points).",
     ]
-    if path is None or not Path(path).is_file():
+    if paired is None or not Path(paired).is_file():
         out.append("- **Ours (CPU, embedded default)**: not run — `make run`.")
     else:
-        rows = [r for r in _read_csv(Path(path)) if r["algorithm"] == "dpsgd"]
-        acc = {
-            (r["upstream"], r["task"], float(r["epsilon"])): (
-                float(r["mean_accuracy"]),
-                float(r["std_accuracy"]),
-                int(r["n_seeds"]),
-            )
-            for r in rows
-        }
-        for ref in ("standard", "control"):
-            diffs, parts = [], []
-            for (up, task, eps), (m, s, n) in sorted(acc.items()):
-                if up != "dpadapter" or (ref, task, eps) not in acc:
-                    continue
-                m2, s2, n2 = acc[(ref, task, eps)]
-                se = math.sqrt(s**2 / max(n, 1) + s2**2 / max(n2, 1))
-                diffs.append(m - m2)
-                parts.append(f"{task} ε={eps:g}: {100 * (m - m2):+.1f} ± {100 * se:.1f}")
-            if not diffs:
+        result = json.loads(Path(paired).read_text())
+        for c in result["comparisons"]:
+            if c["upstream"] != "dpadapter" or c["algorithm"] != "dpsgd":
                 continue
-            ci = t_interval(diffs)
-            v = _verdict(ci.low, ci.high, 0.0)
+            p = c.get("pooled")
+            cells = "; ".join(
+                f"{x['task']} ε={x['epsilon']:g}: {100 * x['interval']['estimate']:+.1f} "
+                f"[{100 * x['interval']['low']:+.1f}, {100 * x['interval']['high']:+.1f}]"
+                for x in c["cells"]
+            )
+            if p is None:
+                out.append(
+                    f"- **Ours (CPU embedded default, DP-SGD), DPAdapter − {c['versus']}**: "
+                    f"{cells} (one seed: no interval) → **inconclusive**."
+                )
+                continue
+            v = _verdict(p["low"], p["high"], 0.0)
             out.append(
-                f"- **Ours (CPU embedded default, DP-SGD), DPAdapter − {ref}**: "
-                + "; ".join(parts)
-                + f" (points, ± standard error over seeds); mean over cells "
-                f"{100 * ci.estimate:+.1f} [{100 * ci.low:+.1f}, {100 * ci.high:+.1f}] "
-                f"(95 % Student-t over {ci.n} cells) → DPAdapter better: **{v}**."
+                f"- **Ours (CPU embedded default, DP-SGD), DPAdapter − {c['versus']}**, paired "
+                f"by seed: {cells} (points, 95 % paired t per cell); pooled over "
+                f"{p['cells']} cells and {p['seeds']} seeds {100 * p['estimate']:+.1f} "
+                f"[{100 * p['low']:+.1f}, {100 * p['high']:+.1f}] (95 %, `{p['model']}`, OLS); "
+                + (
+                    f"a difference of ±{100 * c['detectable']:.1f} points would be detected with "
+                    f"{result['power']:.0%} power"
+                    if c.get("detectable")
+                    else "no spread left to test against"
+                )
+                + f" → DPAdapter better: **{v}**."
             )
         out.append(
             "- **Setting**: small GroupNorm CNN, scaled-down DPAdapter (200 update steps), "
@@ -200,7 +193,7 @@ def dpadapter_section(path: Path | None, gpu_summary: Path | None = None) -> lis
 
 
 def build(hpo: Path | None, federated_rule: Path | None, finetune: Path | None,
-          gpu_summary: Path | None = None) -> str:  # fmt: skip
+          gpu_summary: Path | None = None, paired: Path | None = None) -> str:  # fmt: skip
     lines = [
         "# Validity: each paper's claim, tested in its own regime",
         "",
@@ -209,13 +202,13 @@ def build(hpo: Path | None, federated_rule: Path | None, finetune: Path | None,
         "",
         *hpo_section(hpo),
         *t1_section(federated_rule),
-        *dpadapter_section(finetune, gpu_summary),
+        *dpadapter_section(paired, gpu_summary),
     ]
     return "\n".join(lines)
 
 
-def run(hpo, federated_rule, finetune, out: Path, gpu_summary=None) -> str:
-    text = build(hpo, federated_rule, finetune, gpu_summary)
+def run(hpo, federated_rule, finetune, out: Path, gpu_summary=None, paired=None) -> str:
+    text = build(hpo, federated_rule, finetune, gpu_summary, paired)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text)
     return text
