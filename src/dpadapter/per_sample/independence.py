@@ -13,7 +13,8 @@ behaviour, not by class:
 1. A synthetic batch (rows from a private generator, the data's sample shape; no private value
    is read) runs through the model in the mode it will train in (`model.train()`), every
    module's first call recorded. This is done at two batch sizes (`batch_sizes`: the given one
-   and an odd one beside it), since a module may mix only at some sizes.
+   and an odd one beside it), since a module may mix only at some sizes; at the second, the
+   whole model is checked first, and module by module only to name what failed.
 2. Each module, deepest first, is called again on its recorded inputs, and once more per
    changed example (`positions`: the first, since a module may mix through a reference
    example such as `z - z[:1]`, one inside and the last) with that example's rows replaced,
@@ -137,8 +138,11 @@ def make_independent(
         # a model already wrapped (the check at its first forward) records nothing meanwhile
         with torch.random.fork_rng(devices=devices), full_fp32(), hooks_suspended(model):
             model.train(train)
-            for n in sizes:
-                _check_size(model, sample_shape, dtype, device, n, train, pinned, refused)
+            for k, n in enumerate(sizes):
+                # beyond the first size the whole model is checked first (a module mixing at
+                # this size shows there), module by module only to name what failed
+                if k == 0 or _root_fault(model, sample_shape, dtype, device, n, train):
+                    _check_size(model, sample_shape, dtype, device, n, train, pinned, refused)
     finally:
         for m, training in modes.items():
             m.training = training  # a pinned module ignores it
@@ -162,6 +166,12 @@ def make_independent(
         mode="train" if train else "eval",
         batch_sizes=sizes,
     )
+
+
+def _root_fault(model, sample_shape, dtype, device, n, train) -> bool:
+    with torch.no_grad():
+        calls = _record_calls(model, _synthetic((n, *sample_shape), dtype, device))
+    return model in calls and _fault(model, calls[model], n, train) is not None
 
 
 def _check_size(model, sample_shape, dtype, device, n, train, pinned, refused) -> None:
@@ -249,30 +259,31 @@ class _Outcome:
 
 def _fault(m: nn.Module, call: tuple, n: int, train: bool) -> str | None:
     """Why `m` is not per-example in its current mode (None: it is)."""
-    base = _run(m, call, n, None, train)
+    rows = positions(n)
+    # one forward of the recorded call; in training mode one backward per changed example
+    base = _run(m, call, n, rows, train)
     if base.changed:
         return f"its forward changes its buffers ({', '.join(sorted(base.changed))})"
-    for pos in positions(n):
+    for pos in rows:
         perturbed, any_row = _perturb(call, n, pos)
         if not any_row:
             return None
-        ref = _run(m, call, n, pos, train) if train else base
-        if _zero_row_leaks(ref.grads, pos):
+        if _zero_row_leaks(base.grads.get(pos, []), pos):
             return (
                 f"example {pos + 1} of {n} gets an input gradient although its own output "
                 "gradient is zero (the backward pass mixes examples)"
             )
-        got = _run(m, perturbed, n, pos, train)
+        got = _run(m, perturbed, n, (pos,), train)
         if base.state.keys() != got.state.keys() or any(
             not same_values(v, got.state[k]) for k, v in base.state.items()
         ):
             return "it keeps tensors computed from its inputs (its state differs between calls)"
-        if _rows_moved(ref.out, got.out, n, pos):
+        if _rows_moved(base.out, got.out, n, pos):
             return (
                 f"its output for one example changes when another example of the batch "
                 f"changes (example {pos + 1} of {n})"
             )
-        if _grads_moved(ref.grads, got.grads, n, pos):
+        if _grads_moved(base.grads.get(pos, []), got.grads.get(pos, []), n, pos):
             return (
                 f"the gradients of the other examples change when example {pos + 1} of {n} "
                 "changes, its own output gradient zero (the backward pass mixes examples)"
@@ -280,22 +291,21 @@ def _fault(m: nn.Module, call: tuple, n: int, train: bool) -> str | None:
     return None
 
 
-def _run(m: nn.Module, call: tuple, n: int, zero_row: int | None, train: bool) -> _Outcome:
-    """Call `m` on a copy of `call`, state restored after. In training mode with `zero_row`,
-    also the gradients of its batch-first float inputs and trainable parameters for a random
-    output gradient whose row `zero_row` is zero."""
-    grad = train and zero_row is not None
-    args, kwargs = tree_map(lambda v: _leaf(v, n, grad), call)
+def _run(m: nn.Module, call: tuple, n: int, zero_rows: tuple[int, ...], train: bool) -> _Outcome:
+    """Call `m` on a copy of `call`, state restored after. In training mode, also, for each
+    row in `zero_rows`, the gradients of its batch-first float inputs and trainable parameters
+    for a random output gradient whose row is zero (one backward each, one forward)."""
+    args, kwargs = tree_map(lambda v: _leaf(v, n, train), call)
     inputs = [v for v in tree_leaves((args, kwargs)) if torch.is_tensor(v) and v.requires_grad]
     args, kwargs = tree_map(_cloned, (args, kwargs))  # an in-place forward keeps the record
     snap, attrs = snapshot_buffers(m), snapshot_attributes(m)
-    grads: list = []
+    grads: dict[int, list] = {}
     try:
         torch.manual_seed(SEED)  # the same draws for every call (dropout's masks)
-        with torch.set_grad_enabled(grad):
+        with torch.set_grad_enabled(train):
             out = m(*args, **kwargs)
-            if grad:
-                grads = _gradients(m, out, inputs, n, zero_row)
+            if train:
+                grads = {r: _gradients(m, out, inputs, n, r) for r in zero_rows}
         out = tree_map(lambda v: v.detach().clone() if torch.is_tensor(v) else v, out)
         state = attribute_values(m)
     finally:
@@ -319,7 +329,7 @@ def _gradients(m: nn.Module, out: Any, inputs: list, n: int, zero_row: int) -> l
         w = torch.randn(o.shape, generator=gen).to(o.device, o.dtype)
         w[zero_row] = 0
         total = total + (o * w).sum()
-    got = torch.autograd.grad(total, wrt, allow_unused=True)
+    got = torch.autograd.grad(total, wrt, allow_unused=True, retain_graph=True)
     # inputs' gradients: batch rows ("rows"); parameters': whole ("all")
     return [
         (("rows" if i < len(inputs) else "all"), g.detach().clone() if g is not None else None)
