@@ -20,7 +20,8 @@ behaviour, not by class:
    example such as `z - z[:1]`, one inside and the last) with that example's rows replaced,
    under the same random seed (dropout draws the same masks). Every other example's output
    must not move; in training mode, with a random output gradient that is zero on the changed
-   example, neither may the gradients of the module's inputs (the other examples' rows) nor of
+   example (for the leaf modules and the whole model: a container's own backward shows at the
+   root), neither may the gradients of the module's inputs (the other examples' rows) nor of
    its trainable parameters, and the changed example's own input gradient must be zero (a
    custom backward that mixes gradients fails here, whatever its forward does); none of its
    buffers may change, and the tensors it keeps in plain attributes may not differ between two
@@ -171,7 +172,7 @@ def make_independent(
 def _root_fault(model, sample_shape, dtype, device, n, train) -> bool:
     with torch.no_grad():
         calls = _record_calls(model, _synthetic((n, *sample_shape), dtype, device))
-    return model in calls and _fault(model, calls[model], n, train) is not None
+    return model in calls and _fault(model, calls[model], n, train, train) is not None
 
 
 def _check_size(model, sample_shape, dtype, device, n, train, pinned, refused) -> None:
@@ -185,12 +186,15 @@ def _check_size(model, sample_shape, dtype, device, n, train, pinned, refused) -
             continue
         if m not in calls:  # never called: nothing to check
             continue
-        why = _fault(m, calls[m], n, train)
+        # gradients at the leaves and the whole model: a container's own backward mixing shows
+        # at the root (named there); its forward is checked here like any module's
+        grads = train and (m is model or next(m.children(), None) is None)
+        why = _fault(m, calls[m], n, train, grads)
         if why is None:
             continue
         if train and _own_buffers(m) and not is_pinned(m):
             pin_eval(m)
-            if _fault(m, calls[m], n, train) is None:
+            if _fault(m, calls[m], n, train, grads) is None:
                 pinned.append((name, m))
                 continue
             unpin(m)
@@ -257,10 +261,12 @@ class _Outcome:
         self.out, self.grads, self.state, self.changed = out, grads, state, changed
 
 
-def _fault(m: nn.Module, call: tuple, n: int, train: bool) -> str | None:
-    """Why `m` is not per-example in its current mode (None: it is)."""
+def _fault(m: nn.Module, call: tuple, n: int, train: bool, grads: bool) -> str | None:
+    """Why `m` is not per-example in its current mode (None: it is); `grads`: its gradients
+    too (training mode)."""
     rows = positions(n)
-    # one forward of the recorded call; in training mode one backward per changed example
+    train = train and grads
+    # one forward of the recorded call; with gradients one backward per changed example
     base = _run(m, call, n, rows, train)
     if base.changed:
         return f"its forward changes its buffers ({', '.join(sorted(base.changed))})"
