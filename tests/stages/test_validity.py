@@ -74,7 +74,7 @@ def _paired(tmp_path, dpadapter_acc):
                     p.write_text(json.dumps(m))
                     paths.append(p)
     out = tmp_path / "paired.json"
-    paired.run(paths, out)
+    paired.run([json.loads(p.read_text()) for p in paths], out)
     return out
 
 

@@ -33,9 +33,13 @@ COLUMNS = [
 
 
 def collect(paths: list[Path]) -> list[dict]:
+    return rows_of([json.loads(Path(p).read_text()) for p in paths])
+
+
+def rows_of(metrics: list[dict]) -> list[dict]:
+    """`collect` of jobs' metrics already read."""
     groups: dict[tuple, list[dict]] = defaultdict(list)
-    for p in paths:
-        m = json.loads(Path(p).read_text())
+    for m in metrics:
         w = m["wildcards"]
         groups[(w["upstream"], w["task"], w["algo"], float(w["eps"]))].append(m)
     rows = []
@@ -216,7 +220,8 @@ def run(
     (`stages.paired`; their numbers to `paired_json`) and any unverified jobs named."""
     from dpadapter.stages import paired
 
-    rows = collect(metrics_paths)
+    metrics = [json.loads(Path(p).read_text()) for p in metrics_paths]  # read once
+    rows = rows_of(metrics)
     write_csv(rows, csv_out, COLUMNS)
     pre = {}
     for p in pretrain_paths:
@@ -224,18 +229,17 @@ def run(
         pre[m["wildcards"]["upstream"]] = m
     md_out.write_text(
         table1_markdown(rows, upstream_order, pre)
-        + paired.run(metrics_paths, paired_json)
-        + unverified_note(metrics_paths)
+        + paired.run(metrics, paired_json)
+        + unverified_note(metrics)
     )
     return rows
 
 
-def unverified_note(metrics_paths: list[Path]) -> str:
+def unverified_note(metrics: list[dict]) -> str:
     """A caveat under the table (and so in the report) naming every job whose per-example
     clipping was not verified (`finetune.per_sample_check: false`); empty when all were."""
     jobs = []
-    for p in metrics_paths:
-        m = json.loads(Path(p).read_text())
+    for m in metrics:
         if (m.get("per_sample_check") or {}).get("verified") is False:
             w = m["wildcards"]
             seed = w.get("seed", "?")
@@ -243,7 +247,7 @@ def unverified_note(metrics_paths: list[Path]) -> str:
     if not jobs:
         return ""
     return (
-        f"\n**Per-example clipping unverified** in {len(jobs)} of {len(metrics_paths)} jobs "
+        f"\n**Per-example clipping unverified** in {len(jobs)} of {len(metrics)} jobs "
         "(`finetune.per_sample_check: false`: the per-sample self-test did not run, so their "
         "per-example norms and clipped sums were not compared with the reference before "
         "training; their ε assumes they are right): " + ", ".join(sorted(jobs)) + ".\n"

@@ -19,7 +19,8 @@ table compares (`PAIRS`) and each algorithm:
   bring it to, with their cost in fine-tuning jobs.
 
 Written by the aggregate stage (so `make run` prints it under the table, the report shows it, and
-`summary/paired.json` feeds the validity page); reads the jobs' metrics.json, nothing else.
+`summary/paired.json` feeds the validity page), from the jobs' metrics.json alone (read once,
+by the aggregate stage).
 """
 
 from __future__ import annotations
@@ -84,8 +85,8 @@ def compare(acc: dict[tuple, dict[int, float]], a: str, b: str, algo: str) -> di
     return out
 
 
-def analyse(metrics_paths: list[Path]) -> dict:
-    metrics = [json.loads(Path(p).read_text()) for p in metrics_paths]
+def analyse(metrics: list[dict]) -> dict:
+    """Every comparison of `PAIRS` over these jobs' metrics (as metrics.json holds them)."""
     acc = per_seed(metrics)
     algos = sorted({k[2] for k in acc})
     seeds = sorted({s for v in acc.values() for s in v})
@@ -181,9 +182,9 @@ def _cell_names(comps: list[dict]) -> list[str]:
     return list(seen)
 
 
-def run(metrics_paths: list[Path], json_out: Path | None = None) -> str:
+def run(metrics: list[dict], json_out: Path | None = None) -> str:
     """The paired section (markdown) of these jobs; its numbers to `json_out` when given."""
-    result = analyse(metrics_paths)
+    result = analyse(metrics)
     if json_out is not None:
         json_out.write_text(json.dumps(result, indent=1, default=str) + "\n")
     return markdown(result)
