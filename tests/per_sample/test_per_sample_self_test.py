@@ -61,6 +61,7 @@ def test_every_mode_passes_on_the_embedded_cnn_and_leaves_no_trace(mode):
     rec = got.per_sample_check
     assert rec["mode"] == mode and rec["examples"] == EXAMPLES and rec["passed"] is True
     assert rec["tolerance"] == TOLERANCE and 0 <= rec["max_rel_error"] < 1e-5
+    assert rec["rounding_allowance"] >= 0 and 0 <= rec["worst_rel_error"] <= rec["max_rel_error"]
     assert _state(checked) == before  # as if wrapped without the check
     if mode == "bk":
         assert got.records == {} and got.last_plan == {}
@@ -69,6 +70,31 @@ def test_every_mode_passes_on_the_embedded_cnn_and_leaves_no_trace(mode):
     _step(checked, got)
     for a, b in zip(plain.parameters(), checked.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("mode", GRAD_SAMPLE_MODES)
+def test_the_record_keeps_the_measured_error_apart_from_what_is_allowed(mode):
+    """Float32 against float64 is never exact, so a record of 0.0 had the allowance taken off
+    already (issue 50): the measured error, the rounding allowance and the tolerance are three
+    fields, and `passed` is what they say."""
+    rec = wrap_for_dp(_cnn(), mode, sample=SAMPLE).per_sample_check
+    assert rec["max_rel_error"] > 0 and rec["worst_rel_error"] > 0
+    assert rec["norm_error"] > 0 and rec["sum_error"] > 0
+    assert 0 < rec["rounding_allowance"] < rec["tolerance"] == TOLERANCE
+    within = rec["worst_rel_error"] - rec["rounding_allowance"] <= rec["tolerance"]
+    assert rec["passed"] is within is True
+    assert rec["also_at"]["max_rel_error"] > 0 and "rounding_allowance" in rec["also_at"]
+
+
+def test_a_refusal_gives_the_measured_error_and_the_allowance(monkeypatch):
+    monkeypatch.setitem(GradSampleModule.GRAD_SAMPLERS, Scale, _wrong_scale_sampler)
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(6, 4), nn.Tanh(), Scale(4), nn.Linear(4, 3))
+    with pytest.raises(PerSampleCheckError) as e:
+        wrap_for_dp(m, "hooks", sample=((6,), torch.float32))
+    off = float(str(e.value).split("off by ")[1].split(" ")[0])
+    assert 0.4 < off < 0.6  # the sampler's 1.5x as measured, nothing taken off
+    assert "allowed for measured rounding, tolerance 0.001 beyond" in str(e.value)
 
 
 class Scale(nn.Module):

@@ -28,12 +28,15 @@ Error of a module: `max_i |n_i - r_i| / max(r_i, FLOOR R_i)`, its norm n_i again
 reference r_i relative to the module's own reference norm, floored at `FLOOR` of the example's
 whole norm R_i (a module with no gradient for an example is not judged by rounding alone); its
 clipped sum `|S - S_ref| / max(sum_i c_i r_i, FLOOR sum_i c_i R_i)` (the bound on that module's
-share of the sum, which cancellation between examples cannot shrink). From each error the
-module's own measured rounding is taken off first, `ROUNDING_MARGIN` times how far the
+share of the sum, which cancellation between examples cannot shrink). Before an error is
+judged, the module's own measured rounding is allowed for, `ROUNDING_MARGIN` times how far the
 reference itself moves between float64 and the working dtype (`reference`): where a module's
 gradient is the small difference of large terms, right implementations differ by that much.
-Tolerance 1e-3 (`TOLERANCE`): a wrong per-example gradient is off by O(1) (the channels-last
-bug of Opacus' hooks mode: 1.4).
+Tolerance 1e-3 (`TOLERANCE`) beyond that allowance: a wrong per-example gradient is off by O(1)
+(the channels-last bug of Opacus' hooks mode: 1.4). The record keeps the three apart (the
+errors as measured, the allowance at the deciding check, the tolerance): an error with the
+allowance already taken off reads 0.0 on every right model and says nothing about how close
+the mode came.
 
 Kinks: where an input sits within rounding of a point where the gradient jumps (two max-pool
 inputs tied, a ReLU input at 0), float32 and float64 can take different subgradients, and one
@@ -56,7 +59,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -82,6 +85,17 @@ WHOLE = "the whole gradient"
 
 class PerSampleCheckError(RuntimeError):
     """The per-sample mode's norms or sums disagree with the reference: training is refused."""
+
+
+class Reading(NamedTuple):
+    """One check's relative error as measured, the rounding allowed for it, and what is left.
+
+    `beyond` is what the tolerance judges; it is computed once, here, so the verdict does not
+    depend on how a reader recombines the other two."""
+
+    measured: float
+    allowance: float
+    beyond: float
 
 
 def run_checks(
@@ -111,7 +125,8 @@ def run_checks(
     wrapped, record = run_check(
         model, wrap, make_optimizer, mode, sample_shape, dtype, n, tolerance
     )
-    record["also_at"] = {k: at_small[k] for k in ("examples", "max_rel_error", "passed", "worst")}
+    keep = ("examples", "max_rel_error", "worst_rel_error", "rounding_allowance", "passed", "worst")
+    record["also_at"] = {k: at_small[k] for k in keep}
     return wrapped, record
 
 
@@ -184,7 +199,8 @@ def run_check(
         kind, where = record["worst"].split(" at ", 1)
         raise PerSampleCheckError(
             f"per-sample self-test: grad_sample_mode {mode!r} gives {kind} off by "
-            f"{record['max_rel_error']:.3g} (relative; tolerance {tolerance:g}) at {where}"
+            f"{record['worst_rel_error']:.3g} (relative; {record['rounding_allowance']:.3g} of "
+            f"it allowed for measured rounding, tolerance {tolerance:g} beyond) at {where}"
             + (f" (also after moving {len(redrawn)} example(s) off a kink)" if redrawn else "")
             + "; training refused: a wrong per-example norm or sum breaks the bound the "
             "accountant assumes (another finetune.grad_sample_mode may compute them right)"
@@ -210,7 +226,7 @@ def _attempt(model, wrap, make_optimizer, groups, x, y, other, tolerance):
         moved = _mode_run(wrapped, None, groups, x2, y, None)
     errors = _compare(ref, got, moved, n // 2)
     failing = _failing_examples(ref, got, tolerance)
-    errors_ok = max(errors.values(), default=0.0) <= tolerance
+    errors_ok = max((e.beyond for e in errors.values()), default=0.0) <= tolerance
     return wrapped, {**errors, _REF_DTYPE: ref.dtype}, ([] if errors_ok else failing)
 
 
@@ -224,32 +240,51 @@ def _failing_examples(ref: Reference, got: dict, tolerance: float) -> list[int]:
 
 def _module_norm_errors(ref: Reference, got: dict) -> dict[str, torch.Tensor]:
     """Per module, each example's relative norm error less the module's measured rounding."""
+    return {
+        mod: rel - ROUNDING_MARGIN * ref.norm_noise[mod]
+        for mod, rel in _module_norm_measured(ref, got).items()
+    }
+
+
+def _module_norm_measured(ref: Reference, got: dict) -> dict[str, torch.Tensor]:
+    """Per module, each example's relative norm error as measured (nothing allowed for)."""
     r, n = ref.norms, got["norms"]
     whole_r = torch.sqrt(sum(v.pow(2) for v in r.values()))
     tiny = torch.finfo(torch.float64).tiny
     out = {}
     for mod, rv in r.items():
         scale = torch.maximum(rv, FLOOR * whole_r).clamp(min=tiny)
-        out[mod] = (n[mod] - rv).abs() / scale - ROUNDING_MARGIN * ref.norm_noise[mod]
+        out[mod] = (n[mod] - rv).abs() / scale
     return out
 
 
-def _record(mode, examples, errors: dict[str, float], tolerance, drawing) -> dict:
-    worst = max(errors, key=lambda k: (errors[k], WHOLE not in k), default="")
-    err = errors.get(worst, 0.0)
+def _record(mode, examples, errors: dict[str, Reading], tolerance, drawing) -> dict:
+    """metrics.json's `per_sample_check`: every error as measured, the allowance and the
+    tolerance beside them, so a reader sees how close a right mode came (`passed` is
+    `worst_rel_error - rounding_allowance <= tolerance`, at the check `worst` names)."""
+    # The check nearest to failing: what decides, then (all within their allowance, as on a
+    # right mode) the least headroom, so `worst` and its two figures say how close it came.
+    worst = max(
+        errors,
+        key=lambda k: (errors[k].beyond, errors[k].measured - errors[k].allowance, WHOLE not in k),
+        default="",
+    )
+    at_worst = errors.get(worst, Reading(0.0, 0.0, 0.0))
     by_kind = {}
     for kind in ("per-example norms", "clipped sums", "norms after another example changed"):
-        vals = [v for k, v in errors.items() if k.startswith(kind + " ")]
+        vals = [v.measured for k, v in errors.items() if k.startswith(kind + " ")]
         by_kind[kind.split(" ")[0] if kind != "clipped sums" else "sums"] = max(vals, default=0.0)
     return {
         "mode": mode,
         "examples": examples,
-        "max_rel_error": err,
+        "max_rel_error": max((v.measured for v in errors.values()), default=0.0),
         "norm_error": by_kind["per-example"],
         "sum_error": by_kind["sums"],
         "independence_error": by_kind["norms"],
+        "worst_rel_error": at_worst.measured,
+        "rounding_allowance": at_worst.allowance,
         "tolerance": tolerance,
-        "passed": err <= tolerance,
+        "passed": at_worst.beyond <= tolerance,
         "worst": worst or None,
         "eval_in_check": drawing,
     }
@@ -351,28 +386,38 @@ def _opacus_norms(ps: list[nn.Parameter], n: int) -> torch.Tensor:
     return _rows_norm(gs).cpu()
 
 
-def _compare(ref: Reference, got: dict, moved: dict, changed: int) -> dict[str, float]:
+def _compare(ref: Reference, got: dict, moved: dict, changed: int) -> dict[str, Reading]:
     """Every relative error, keyed "<what> at <where>" (module docstring for the formulas)."""
-    out: dict[str, float] = {}
+    out: dict[str, Reading] = {}
     r, n = ref.norms, got["norms"]
     whole_r = torch.sqrt(sum(v.pow(2) for v in r.values()))
     whole_n = torch.sqrt(sum(v.pow(2) for v in n.values()))
     tiny = torch.finfo(torch.float64).tiny
+    measured = _module_norm_measured(ref, got)
     for mod, rel in _module_norm_errors(ref, got).items():
-        out[f"per-example norms at {mod}"] = max(0.0, _max(rel))
+        out[f"per-example norms at {mod}"] = Reading(
+            _max(measured[mod]), ROUNDING_MARGIN * ref.norm_noise[mod], max(0.0, _max(rel))
+        )
     out[f"per-example norms at {WHOLE}"] = _beyond(
         (whole_n - whole_r).abs() / whole_r.clamp(tiny), ref.whole_noise
     )
     if got["sums"] is None:
-        out[f"clipped sums at {WHOLE}"] = float("inf")  # not computed: norms were not finite
+        inf = float("inf")  # not computed: norms were not finite
+        out[f"clipped sums at {WHOLE}"] = Reading(inf, 0.0, inf)
     else:
         total = sum(ref.shares.values())
         for mod, want in ref.sums.items():
             pairs = zip(got["sums"][mod], want, strict=True)
             diff = float(torch.sqrt(sum((a.cpu() - b.cpu()).pow(2).sum() for a, b in pairs)))
             scale = max(ref.shares[mod], FLOOR * total, tiny)
-            left = max(0.0, diff - ROUNDING_MARGIN * ref.sum_noise[mod])
-            out[f"clipped sums at {mod}"] = left / scale if diff == diff else float("inf")
+            allowed = ROUNDING_MARGIN * ref.sum_noise[mod]
+            left = max(0.0, diff - allowed)
+            finite = diff == diff
+            out[f"clipped sums at {mod}"] = Reading(
+                diff / scale if finite else float("inf"),
+                allowed / scale,
+                left / scale if finite else float("inf"),
+            )
     keep = torch.arange(len(whole_n)) != changed
     m = moved["norms"]
     for mod, nv in n.items():
@@ -383,9 +428,10 @@ def _compare(ref: Reference, got: dict, moved: dict, changed: int) -> dict[str, 
     return out
 
 
-def _beyond(rel: torch.Tensor, noise: float) -> float:
-    """The largest relative error left once the module's measured rounding is allowed for."""
-    return max(0.0, _max(rel) - ROUNDING_MARGIN * noise)
+def _beyond(rel: torch.Tensor, noise: float) -> Reading:
+    """The largest relative error, and what is left once the measured rounding is allowed for."""
+    allowed = ROUNDING_MARGIN * noise
+    return Reading(_max(rel), allowed, max(0.0, _max(rel) - allowed))
 
 
 def _max(t: torch.Tensor) -> float:
