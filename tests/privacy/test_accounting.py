@@ -54,3 +54,22 @@ def test_calibration_cache_returns_the_computed_value(tmp_path):
     assert a == b
     c = calibrate_sigma(2.0, 1e-5, 0.1, 31, cache=cache)  # any input change is a different key
     assert c != a
+
+
+def _order_warnings(history, accountant):
+    import warnings
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        epsilon_from_history(history, 1e-5, accountant)
+    return [str(w.message) for w in seen if "Optimal order" in str(w.message)]
+
+
+def test_rdp_order_warnings_are_silenced_under_prv_only():
+    """PRV sizes its domain with an RDP bound at a tiny delta whose best order is the largest:
+    its warning is about that grid, not the reported epsilon (issue 50). Under RDP, the same
+    warning is about the epsilon reported, and stays."""
+    history = [Segment(0.3, 0.05, 2000)]  # RDP's best order is its smallest here
+    assert _order_warnings(history, "prv") == []
+    assert _order_warnings([Segment(1.0, 0.05, 100)], "prv") == []
+    assert any("smallest alpha" in w for w in _order_warnings(history, "rdp"))

@@ -189,3 +189,22 @@ def test_a_switched_off_self_test_is_said_in_metrics_and_mlflow(
     )
     want = "verified" if check else "unverified"
     assert [r.data.tags["dp.per_example_clipping"] for r in runs] == [want]
+
+
+@pytest.mark.parametrize("accountant", ["prv", "rdp"])
+def test_rdp_order_warnings_reach_the_log_of_an_rdp_job_only(
+    tiny_cfg, scratch_ckpt, tmp_path, accountant
+):
+    """A PRV job's log began with Opacus' RDP "optimal order" advice, from the bound PRV sizes
+    its domain with (issue 50); an RDP job's calibration still hears it."""
+    import dataclasses
+    import warnings
+
+    cfg = dataclasses.replace(
+        tiny_cfg, privacy=dataclasses.replace(tiny_cfg.privacy, accountant=accountant)
+    )
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        _run(cfg, scratch_ckpt, tmp_path / "ft")
+    order = [w for w in seen if "Optimal order is the" in str(w.message)]
+    assert (len(order) > 0) is (accountant == "rdp")
