@@ -197,3 +197,40 @@ def test_a_job_checks_the_sections_its_stage_reads(overlay, tmp_path, capsys):
     assert stage_sections("audit", {"audit": {"federated": []}}) == ("audit",)
     assert stage_sections("audit", {})[:2] == ("audit", "federated.task")
     assert stage_sections("finetune") == () and stage_sections("sweep-figures") == ("sweeps",)
+
+
+def test_an_overlay_that_narrows_the_methods_is_told_to_drop_the_label_it_no_longer_uses(
+    overlay,
+):
+    """An external label has no code default: `unset:` "for the code's default" (issue 50)
+    named a fix that is not one. The hint is what works, and it does."""
+    overlay()
+    narrow = Path("configs/narrow.yaml")
+    head = "base: top.yaml\nresults_dir: results/narrow\n"
+    body = "pretrain:\n  methods: [mine-a]\n"
+    narrow.write_text(head + body)
+    with pytest.raises(ConfigError) as info:
+        validate_scoped(read_raw(narrow), [narrow])
+    msg = str(info.value)
+    written = _line_of(Path("configs/top.yaml").read_text(), "mine-b: {model")
+    assert (
+        "  configs/narrow.yaml:4: pretrain.external.mine-b: not in pretrain.methods, so never "
+        "built: list it there or remove the entry (pretrain.external.mine-b is written at "
+        f"configs/top.yaml:{written}, which this file's changes make wrong: drop it with "
+        "`unset: [pretrain.external.mine-b]` in configs/narrow.yaml; an entry has no code "
+        "default)"
+    ) in msg, msg
+    assert "code's default" not in msg, msg
+    narrow.write_text(head + "unset: [pretrain.external.mine-b]\n" + body)
+    cfg, _ = validate_scoped(read_raw(narrow), [narrow])
+    assert cfg.upstreams == ("mine-a",) and list(cfg.external_upstreams) == ["mine-a"]
+
+
+def test_a_key_the_code_has_no_default_for_gets_no_unset_advice(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    Path("base.yaml").write_text("public: {dataset: a}\ntasks: {}\n")
+    Path("top.yaml").write_text("base: base.yaml\nseed: 1\n")
+    problem = ConfigError("invalid config:\n  public.dataset: 'a' is unknown")
+    msg = str(locate(problem, ["top.yaml"], own=lambda raw: (None, [])))
+    assert "public.dataset is written at base.yaml:1" in msg, msg
+    assert msg.endswith("make wrong: set public.dataset in top.yaml)"), msg

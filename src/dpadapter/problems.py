@@ -19,6 +19,7 @@ the answers in the workflow and the jobs):
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import re
 from collections.abc import Callable, Iterable
@@ -39,6 +40,7 @@ from dpadapter.settings.files import (
     shown_path,
 )
 from dpadapter.settings.lines import key_origin, key_origins, override_holds
+from dpadapter.settings.schema import base_schema
 
 # Sections run only by their own targets (workflow/rules/<section>.smk), with the make target
 # that runs each.
@@ -118,6 +120,41 @@ def _problems(check: Callable[[dict[str, Any]], tuple[Any, list[str]]], raw: dic
         return set(check(raw)[1])
     except ConfigError as exc:
         return set(problem_lines(exc))
+
+
+@functools.cache
+def _schema() -> dict[str, Any]:
+    return base_schema()  # read only once a problem is located; never changed here
+
+
+def unset_gives(key: str) -> str:
+    """What `unset: [key]` in an overlay leaves, by the schema as written: "default" for a
+    property it names and does not require (the code fills it in), "drop" for an entry of a
+    mapping keyed by the user's own names (`pretrain.external.<label>`, `tasks.<name>`: no code
+    default, the entry just goes), "" otherwise (a required key, a list item, a registry's
+    params the schema as written does not describe). An overlay's refusal advised `unset:` "for
+    the code's default" for an external label, which has none (issue 50)."""
+    node: Any = _schema()
+    defs = node.get("$defs", {})
+    parts = key.split(".")
+    for i, part in enumerate(parts):
+        while isinstance(node, dict) and "$ref" in node:
+            node = defs.get(node["$ref"].rsplit("/", 1)[-1], {})
+        if not isinstance(node, dict):
+            return ""
+        last = i == len(parts) - 1
+        props = node.get("properties", {})
+        if part in props:
+            if last:
+                return "" if part in node.get("required", ()) else "default"
+            node = props[part]
+        elif isinstance(node.get("additionalProperties"), dict) and not part.isdigit():
+            if last:
+                return "drop"
+            node = node["additionalProperties"]
+        else:
+            return ""
+    return ""
 
 
 def _shown(value: Any) -> str:
@@ -240,17 +277,14 @@ def locate(
                     + f": write {key} in {user.name})"
                 )
             elif exact:
-                # `unset:` takes mapping keys only, not list items (extra_grids.1.tasks)
-                can_unset = not any(part.isdigit() for part in key.split("."))
-                note = (
-                    f" ({key} is written at {best[1]}:{best[2]}, which this file's changes "
-                    f"make wrong: set {key} in {user.name}"
-                    + (
-                        ", or add it to `unset:` there for the code's default)"
-                        if can_unset
-                        else ")"
-                    )
-                )
+                note = f" ({key} is written at {best[1]}:{best[2]}, which this file's changes "
+                note += {
+                    "default": f"make wrong: set {key} in {user.name}, or add it to `unset:` "
+                    "there for the code's default)",
+                    # an entry has no default: what is wrong is that it is there
+                    "drop": f"make wrong: drop it with `unset: [{key}]` in {user.name}; an "
+                    "entry has no code default)",
+                }.get(unset_gives(key), f"make wrong: set {key} in {user.name})")
             return f"  {user.name}:{user.line_for(key, text)}: {key}: {text}{note}"
         if best is None:
             return f"  {user.name}:{user.line_for(key, text)}: {key}: {text}{note}"

@@ -285,7 +285,10 @@ def label_problems(cfg: Config) -> list[str]:
                 "pick another (it becomes an upstream name)"
             )
         elif label not in cfg.upstreams:
-            out.append(f"pretrain.external.{label}: not in pretrain.methods, so never built")
+            out.append(
+                f"pretrain.external.{label}: not in pretrain.methods, so never built: list it "
+                "there or remove the entry"
+            )
     norm = cfg.data.normalization
     identity = norm is not None and all(m == 0 for m in norm[0]) and all(s == 1 for s in norm[1])
     for name in dict.fromkeys(cfg.upstreams):
