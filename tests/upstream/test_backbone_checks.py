@@ -5,12 +5,17 @@ a weights file whose keys or shapes do not fit (counts and the first names, not 
 from __future__ import annotations
 
 import copy
+import json
+import re
+from pathlib import Path
 
 import pytest
+import yaml
 from external_helpers import params_for, save_as, source_model
 from test_external_validation import problems, with_external
 
-from dpadapter.validation import validate
+from dpadapter.settings import ConfigError, read_raw
+from dpadapter.validation import validate, validate_files
 
 
 @pytest.fixture
@@ -41,6 +46,10 @@ def test_an_input_size_the_backbone_cannot_take_is_refused(tiny_raw, vit_file):
     assert "pretrain.external.vit.input.size:" in msg and "28x28" in msg
 
 
+def _listing(msg: str) -> str:
+    return Path(re.search(r"every key: (\S+\.log)\)", msg).group(1)).read_text()
+
+
 def test_weights_that_do_not_fit_are_refused_briefly(tiny_raw, vit_file, capsys):
     params = params_for("vit", vit_file)
     params["timm_args"] = {**params["timm_args"], "depth": 2, "embed_dim": 48}
@@ -48,7 +57,57 @@ def test_weights_that_do_not_fit_are_refused_briefly(tiny_raw, vit_file, capsys)
     assert "pretrain.external.vit.weights:" in msg and "does not fit" in msg
     assert "missing from the file (blocks.1." in msg and "with other shapes" in msg
     assert len(msg.splitlines()) < 6 and len(msg) < 1500  # counts and first names only
-    assert "  missing: blocks.1." in capsys.readouterr().err  # the full list
+    assert "  missing: blocks.1." in _listing(msg)  # the full list
+
+
+def test_a_checkpoint_of_another_architecture_lists_its_keys_in_a_file_not_the_console(
+    tiny_raw, tmp_path, capsys
+):
+    """Hundreds of key names on stderr buried the one-line refusal (issue 50)."""
+    resnet = source_model("resnet")
+    path = save_as(resnet, tmp_path / "resnet.pth", "state_dict")
+    vit = source_model("vit")
+    msg = problems(with_external(tiny_raw, {"vit": params_for("vit", path)}))
+    err = capsys.readouterr().err
+    assert "missing:" not in err and "not in the model:" not in err, err
+    heads = "head."  # the ViT's classifier, left out; the ResNet's fc is just another key
+    missing = [k for k in vit.state_dict() if not k.startswith(heads)]
+    extra = [k for k in resnet.state_dict() if not k.startswith(heads)]
+    assert f"{len(missing)} missing from the file ({', '.join(sorted(missing)[:3])}, … (+" in msg
+    assert f"{len(extra)} not in the model (" in msg, msg
+    assert len(msg.splitlines()) == 2 and len(msg) < 1000, msg
+    listing = _listing(msg).splitlines()
+    assert sorted(listing[1:]) == sorted(
+        [f"  missing: {k}" for k in missing] + [f"  not in the model: {k}" for k in extra]
+    )
+
+
+def test_a_checkpoint_of_another_patch_size_names_the_shapes_and_timm_args(
+    tiny_raw, vit_file, tmp_path, monkeypatch
+):
+    """An overlay's patch size against a checkpoint written in its base: the advice was to
+    set or unset `weights` (required: no fix); the shapes come from timm_args (issue 50)."""
+    monkeypatch.chdir(tmp_path)
+    base = with_external(tiny_raw, {"vit": params_for("vit", vit_file)})
+    Path("base.yaml").write_text(yaml.safe_dump(base))
+    Path("top.yaml").write_text(
+        "base: base.yaml\npretrain:\n  external:\n    vit:\n      timm_args:\n"
+        "        patch_size: 4\n"
+    )
+    with pytest.raises(ConfigError) as info:
+        validate_files(read_raw("top.yaml"), ["top.yaml"], check_files=True)
+    msg = str(info.value)
+    args = {**params_for("vit", vit_file)["timm_args"], "patch_size": 4}
+    assert (
+        f"  top.yaml:5: pretrain.external.vit.timm_args: {vit_file} was saved from another "
+        "configuration of timm:vit_tiny_patch16_224: 2 keys with other shapes (pos_embed: "
+        "(1, 17, 32) in the file, (1, 65, 32) in the model; patch_embed.proj.weight: "
+        "(32, 3, 8, 8) in the file, (32, 3, 4, 4) in the model); the model's shapes come from "
+        "pretrain.external.vit.model with pretrain.external.vit.timm_args "
+        f"{json.dumps(dict(sorted(args.items())))}. Set them as the checkpoint was saved, or point "
+        "pretrain.external.vit.weights at a checkpoint saved with these (every key: "
+    ) in msg, msg
+    assert "unset" not in msg and "set pretrain.external.vit.weights" not in msg, msg
 
 
 def test_timm_args_a_model_sets_itself_are_refused_by_name(tiny_raw, tmp_path):

@@ -21,7 +21,10 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import hashlib
+import json
 import sys
+import tempfile
 from collections.abc import Collection, Iterator
 from contextvars import ContextVar
 from pathlib import Path
@@ -34,7 +37,7 @@ from dpadapter.settings.errors import missing
 from dpadapter.upstream.resolve import EXTERNAL, known_names, resolve
 from dpadapter.upstream.variants import format_variant, parse_variant
 
-SHOWN = 3  # names per kind of mismatch in the message; the full list goes to stderr
+SHOWN = 3  # names per kind of mismatch in the message; the full list goes to a log file
 
 # The upstreams whose backbones are checked (None: all). The workflow checks every backbone
 # before any job; a job validates its config again but builds at most one backbone from it (a
@@ -149,8 +152,19 @@ def _fit_problems(cfg: Config, params: dict[str, Any], at: str, check_files: boo
             )
     weights = params.get("weights", {})
     if check_files and "file" in weights:
-        out += _weight_problems(backbone, params, at, head_prefix(backbone) + ".")
+        head = head_prefix(backbone) + "."
+        out += _weight_problems(backbone, params, at, head)
     return out
+
+
+def mismatch_log(at: str, listing: str) -> Path:
+    """Where the validation lists every key of a checkpoint that does not fit its backbone.
+
+    Named by the listing's content, outside any results folder: the validation also checks
+    an overlay's base on its own (`problems.locate`), whose results folder is not the one run,
+    and a problem the base has too must read the same to be recognised as the base's."""
+    digest = hashlib.sha256(listing.encode()).hexdigest()[:12]
+    return Path(tempfile.gettempdir()) / "dpadapter-validation" / f"{at}.weights-{digest}.log"
 
 
 def _weight_problems(backbone, params: dict[str, Any], at: str, head: str) -> list[str]:
@@ -169,27 +183,59 @@ def _weight_problems(backbone, params: dict[str, Any], at: str, head: str) -> li
     missing, unexpected, shapes = state_mismatch(own, given, head)
     if not (missing or unexpected or shapes):
         return []
-    parts = []
-    for what, names in (
-        ("missing from the file", missing),
-        ("not in the model", unexpected),
-        ("with other shapes", shapes),
-    ):
-        if names:
-            more = f", … (+{len(names) - SHOWN})" if len(names) > SHOWN else ""
-            parts.append(f"{len(names)} {what} ({', '.join(names[:SHOWN])}{more})")
-    print(
-        f"{at}.weights: {path} against {params['model']} (classifier {head[:-1]!r} aside):\n"
+    listing = (
+        f"{at}.weights: {path} against {params['model']} with timm_args "
+        f"{json.dumps(params.get('timm_args') or {})} (classifier {head[:-1]!r} aside):\n"
         + "".join(f"  missing: {k}\n" for k in missing)
         + "".join(f"  not in the model: {k}\n" for k in unexpected)
-        + "".join(f"  shape: {k}\n" for k in shapes),
-        file=sys.stderr,
+        + "".join(f"  shape: {k}\n" for k in shapes)
     )
+    # A checkpoint of another architecture has hundreds of keys: printed, they buried the
+    # one-line refusal under them (issue 50). The console gets counts and a few names.
+    every = _write_listing(mismatch_log(at, listing), listing)
+    if missing or unexpected:
+        parts = [
+            f"{len(names)} {what} ({_few(names, sep)})"
+            for what, names, sep in (
+                ("missing from the file", missing, ", "),
+                ("not in the model", unexpected, ", "),
+                ("with other shapes", shapes, "; "),  # a shape has commas of its own
+            )
+            if names
+        ]
+        return [
+            f"{at}.weights: {path} does not fit {params['model']}: {'; '.join(parts)}. Check "
+            f"{at}.model and {at}.timm_args against what the checkpoint was saved from "
+            f"({every})"
+        ]
+    # Same keys, other shapes: the same architecture configured otherwise (a ViT's patch_size
+    # or img_size, a width). The shapes follow model and timm_args, so the refusal is keyed
+    # there, not at `weights`, whose overlay hint ("set weights") was no fix.
+    args = params.get("timm_args") or {}
+    key = f"{at}.timm_args" if args else f"{at}.model"
+    made = f"{at}.timm_args {json.dumps(args)}" if args else f"no {at}.timm_args (timm's defaults)"
     return [
-        f"{at}.weights: {path} does not fit {params['model']}: {'; '.join(parts)}. Check "
-        f"{at}.model and {at}.timm_args against what the checkpoint was saved from (every key "
-        "is listed on stderr above)"
+        f"{key}: {path} was saved from another configuration of {params['model']}: "
+        f"{len(shapes)} keys with other shapes ({_few(shapes, '; ')}); the model's shapes come "
+        f"from {at}.model with {made}. Set them as the checkpoint was saved, or point {at}.weights "
+        f"at a checkpoint saved with these ({every})"
     ]
+
+
+def _few(names: list[str], sep: str) -> str:
+    more = f"{sep}… (+{len(names) - SHOWN})" if len(names) > SHOWN else ""
+    return sep.join(names[:SHOWN]) + more
+
+
+def _write_listing(path: Path, text: str) -> str:
+    """The full listing into `path` (what the message then says), else on stderr."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    except OSError:
+        print(text, file=sys.stderr)
+        return "every key is listed on stderr above"
+    return f"every key: {path}"
 
 
 # --- the config's upstream names and params (no torch) ---------------------------------------
