@@ -234,3 +234,32 @@ def test_a_key_the_code_has_no_default_for_gets_no_unset_advice(tmp_path, monkey
     msg = str(locate(problem, ["top.yaml"], own=lambda raw: (None, [])))
     assert "public.dataset is written at base.yaml:1" in msg, msg
     assert msg.endswith("make wrong: set public.dataset in top.yaml)"), msg
+
+
+def test_a_warning_caused_three_files_down_names_that_file_and_line(tmp_path, monkeypatch):
+    """top.yaml -> mid.yaml -> low.yaml -> config.yaml, where low.yaml's `unset: [tasks]`
+    leaves sweeps.tasks naming a task that is gone: the warning pointed at config.yaml's line
+    of sweeps.tasks, a file no overlay wrote the cause in (issue 50)."""
+    monkeypatch.chdir(tmp_path)
+    Path("config.yaml").write_text(DEFAULT_TEXT)
+    Path("configs").mkdir()
+    task = "    dataset: fashion-mnist\n    classes: [5, 6, 7, 8, 9]\n    n_train: 2000\n"
+    Path("configs/low.yaml").write_text(
+        "base: ../config.yaml\nresults_dir: results/low\nunset: [tasks]\n"
+        f"tasks:\n  mine:\n{task}finetune:\n  extra_grids: []\n"
+    )
+    Path("configs/mid.yaml").write_text("base: low.yaml\nresults_dir: results/mid\n")
+    top = Path("configs/top.yaml")
+    top.write_text("base: mid.yaml\nresults_dir: results/top\nfinetune:\n  seeds: [0]\n")
+    _, deferred = validate_scoped(read_raw(top), [top])
+    sweeps = "\n".join(line for _, line in deferred["sweeps"])
+    at = _line_of(DEFAULT_TEXT, "  tasks: [fmnist-shift]", _line_of(DEFAULT_TEXT, "sweeps:"))
+    assert sweeps == (
+        "  configs/low.yaml:3: sweeps.tasks: unknown task 'fmnist-shift' (sweeps.tasks is "
+        f"written at config.yaml:{at}, which configs/low.yaml's changes make wrong: set "
+        "sweeps.tasks in configs/top.yaml, or add it to `unset:` there for the code's default)"
+    ), sweeps
+    assert "config.yaml:" not in warning(deferred).replace("written at config.yaml:", "")
+    # the advice works
+    top.write_text(top.read_text() + "sweeps:\n  tasks: [mine]\n")
+    assert "sweeps" not in validate_scoped(read_raw(top), [top])[1]

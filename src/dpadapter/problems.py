@@ -102,7 +102,12 @@ def without_overlay(files: list[str | Path], overrides: dict[str, Any] | None) -
     chain = config_chain(files[-1])
     if len(chain) < 2:
         return None
-    raw = merge(read_files(list(files[:-1])), read_chain(chain[-2]))
+    return up_to(files, overrides, chain[-2])
+
+
+def up_to(files: list[str | Path], overrides: dict[str, Any] | None, link: Path) -> dict:
+    """The merged config as it is with the last file's chain cut after `link` (one of it)."""
+    raw = merge(read_files(list(files[:-1])), read_chain(link))
     return merge(raw, dict(overrides or {}))
 
 
@@ -224,17 +229,35 @@ def locate(
         with contextlib.suppress(OSError, yaml.YAMLError, ConfigError):
             maps.append((shown_path(f), key_origins(f)))
     user = _User(files[-1]) if files else None
-    base_own: list[set[str] | None] = []
+    chain: list[Path] = []
+    with contextlib.suppress(OSError, yaml.YAMLError, ConfigError):
+        chain = config_chain(files[-1]) if files else []
+    level_own: dict[int, set[str] | None] = {}
 
-    def the_base_has(problem: str) -> bool:
-        if own is None or user is None or not user.overlay:
-            return True
-        if not base_own:
+    def own_at(k: int) -> set[str] | None:
+        """The problems of the config with the user's chain cut after its `k`-th file."""
+        if k not in level_own:
             raw = None
             with contextlib.suppress(OSError, yaml.YAMLError, ConfigError):
-                raw = without_overlay(files, overrides)
-            base_own.append(None if raw is None else _problems(own, raw))
-        return base_own[0] is None or problem in base_own[0]
+                raw = up_to(files, overrides, chain[k])
+            level_own[k] = None if raw is None else _problems(own, raw)
+        return level_own[k]
+
+    def brought_by(problem: str) -> _User | None:
+        """The file of the user's chain whose layer brought `problem`: the lowest one above
+        which every cut of the chain has it (an overlay's base several files down, not only
+        the user's own file); None when the chain's furthest base has it on its own, or when
+        that cannot be told. A warning caused by the `unset:` of a base three files down was
+        pointed at config.yaml (issue 50)."""
+        if own is None or user is None or not user.overlay or len(chain) < 2:
+            return None
+        for k in range(len(chain) - 2, -1, -1):
+            found = own_at(k)
+            if found is None:
+                return None
+            if problem not in found:
+                return user if k == len(chain) - 2 else _User(chain[k + 1])
+        return None
 
     def origin_of(key: str) -> tuple[int, str, int] | None:
         return key_origin(maps, key)
@@ -267,17 +290,22 @@ def locate(
         if user is None:
             return line if best is None else f"  {best[1]}:{best[2]}: {key}: {text}{note}"
         mine = exact and best[1] == user.name
-        if user.overlay and not mine and not (best and the_base_has(f"{key}: {text}")):
-            gone = user.unset_of(key)
+        by = None
+        if user.overlay and not mine:
+            by = user if best is None else brought_by(f"{key}: {text}")
+        if by is not None and not (exact and best[1] == by.name):
+            here = "here" if by is user else f"in {by.name}"
+            gone = by.unset_of(key)
             if gone is not None:
                 value = _at(defaults, key) if defaults else None
                 note = (
-                    f" (`unset: [{gone}]` here leaves {key} to the code's default"
+                    f" (`unset: [{gone}]` {here} leaves {key} to the code's default"
                     + (f", {_shown(value)}" if value is not None else "")
                     + f": write {key} in {user.name})"
                 )
             elif exact:
-                note = f" ({key} is written at {best[1]}:{best[2]}, which this file's changes "
+                whose = "this file's" if by is user else f"{by.name}'s"
+                note = f" ({key} is written at {best[1]}:{best[2]}, which {whose} changes "
                 note += {
                     "default": f"make wrong: set {key} in {user.name}, or add it to `unset:` "
                     "there for the code's default)",
@@ -285,7 +313,7 @@ def locate(
                     "drop": f"make wrong: drop it with `unset: [{key}]` in {user.name}; an "
                     "entry has no code default)",
                 }.get(unset_gives(key), f"make wrong: set {key} in {user.name})")
-            return f"  {user.name}:{user.line_for(key, text)}: {key}: {text}{note}"
+            return f"  {by.name}:{by.line_for(key, text)}: {key}: {text}{note}"
         if best is None:
             return f"  {user.name}:{user.line_for(key, text)}: {key}: {text}{note}"
         return f"  {best[1]}:{best[2]}: {key}: {text}{note}"
