@@ -23,8 +23,8 @@ from dpadapter.settings import TrackingConfig
 from dpadapter.stages import finetune, pretrain
 
 DP_PARAMS = {
-    "target_epsilon", "delta", "noise_multiplier", "max_grad_norm", "sample_rate", "steps",
-    "algorithm", "upstream", "task", "seed",
+    "target_epsilon", "delta", "accountant", "noise_multiplier", "max_grad_norm", "sample_rate",
+    "steps", "algorithm", "upstream", "task", "seed",
 }  # fmt: skip
 
 
@@ -62,7 +62,7 @@ def test_finetune_run_has_the_dp_columns_and_the_config_identity(tiny_cfg, tmp_p
     assert DP_PARAMS <= set(params), sorted(DP_PARAMS - set(params))
     p = m["privacy"]
     assert float(params["target_epsilon"]) == 2.0
-    assert float(params["delta"]) == p["delta"]
+    assert float(params["delta"]) == p["delta"] and params["accountant"] == p["accountant"]
     assert float(params["sample_rate"]) == pytest.approx(
         tiny_cfg.finetune.batch_size / m["hyperparameters"]["n_train"]
     )
@@ -364,6 +364,23 @@ def test_a_store_failing_during_a_job_stops_tracking_not_the_job(
             tracking_enabled(tiny_cfg, True), "scratch", "syn-shift", "dpsgd", 4.0, 0,
             tmp_path / "pre" / "model.pt", tmp_path / "ft-strict",
         )  # fmt: skip
+
+
+def test_the_dp_view_shows_epsilon_spent_beside_its_target_delta_and_accountant():
+    """Issue 50, item 1: the runs table a reader opens shows the ε each run spent, with the
+    δ and the accountant it is an ε of."""
+    views = {
+        k: json.loads(json.loads(v)["state"])
+        for k, v in tracking.naming.EXPERIMENT_TAGS.items()
+        if k.startswith("mlflow.sharedViewState.")
+    }
+    columns = views[f"mlflow.sharedViewState.{tracking.naming.DP_VIEW}"]["selectedColumns"]
+    assert columns[0] == "metrics.`epsilon_spent`"
+    for p in ("target_epsilon", "delta", "accountant"):
+        assert f"params.`{p}`" in columns, columns
+    payload = {"privacy": {"epsilon": 0.99, "delta": 1e-5, "accountant": "rdp"}}
+    params, metrics = tracking.naming.dp_summary(payload)
+    assert params == {"delta": 1e-5, "accountant": "rdp"} and metrics == {"epsilon_spent": 0.99}
 
 
 def test_the_runs_url_opens_the_configs_experiment_in_the_dp_view(

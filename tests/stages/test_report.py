@@ -129,3 +129,25 @@ def test_the_backbone_of_an_upstream_is_its_external_model_else_the_configs(tiny
     assert report.backbone_of(cfg, "vit") == "timm:vit_tiny_patch16_224"
     assert report.backbone_of(cfg, "scratch") == report.backbone_of(cfg, "dpadapter+gamma=1")
     assert report.backbone_of(cfg, "scratch") == "cnn-gn"
+
+
+def test_the_fine_tuning_page_shows_epsilon_spent_and_marks_an_underspent_cell(tmp_path):
+    """Issue 50, item 1: the report's fine-tuning page is finetune.md's tables, the ε spent
+    table among them, its `‡` (spent less than the target) coloured like the other marks."""
+    from dpadapter.stages import aggregate
+
+    paths = []
+    for eps, spent in ((1.0, 0.998), (4.0, 3.9)):
+        m = {
+            "wildcards": {"upstream": "standard", "task": "t", "algo": "dpsgd",
+                          "eps": f"{eps:g}", "seed": "0"},
+            "test_accuracy": 0.8, "test_robust_accuracy": 0.7,
+            "privacy": {"epsilon": spent, "delta": 1e-5, "accountant": "prv"},
+        }  # fmt: skip
+        paths.append(tmp_path / f"{eps}.json")
+        paths[-1].write_text(json.dumps(m))
+    aggregate.run(paths, [], ["standard"], tmp_path / "f.csv", tmp_path / "f.md")
+    page = report.page((tmp_path / "f.md").read_text(), "DP fine-tuning", "Config: c.yaml")
+    assert "δ = 1e-05, accountant prv" in page
+    spent = '<td>dpsgd</td>\n<td>standard</td>\n<td>0.998</td>\n<td class="under">3.900 ‡</td>'
+    assert spent in page, page

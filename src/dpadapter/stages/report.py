@@ -69,11 +69,13 @@ td:first-child, td:nth-child(2), th:first-child, th:nth-child(2) { text-align: l
 td.inverted { background: #fbd5d5; }
 td.noise { background: #fdf3d0; }
 td.single { color: #666; }
+td.under { background: #dce9fb; }
 p.about { color: #444; font-size: 0.9em; border-left: 3px solid #999; padding-left: 0.6em; }
 """
 
-# The marks of dpadapter.tables, coloured so they are seen before they are read.
-_MARKS = (("▼", "inverted"), ("≈", "noise"), ("?", "noise"), (SINGLE, "single"))
+# The marks of dpadapter.tables, coloured so they are seen before they are read; `‡`
+# (aggregate.UNDER: a cell that spent less ε than its target) as well (issue 50).
+_MARKS = (("▼", "inverted"), ("≈", "noise"), ("?", "noise"), (SINGLE, "single"), ("‡", "under"))
 
 
 def _mark_cells(body: str) -> str:

@@ -73,6 +73,7 @@ def job(cfg: Config, stage: str, wildcards: dict[str, str]) -> Job:
 DP_PARAMS = {
     "target_epsilon": (("privacy", "target_epsilon"), ("wildcards", "eps")),
     "delta": (("privacy", "delta"),),
+    "accountant": (("privacy", "accountant"),),
     "noise_multiplier": (("hyperparameters", "noise_multiplier"), ("privacy", "noise_multiplier")),
     "max_grad_norm": (("hyperparameters", "max_grad_norm"), ("privacy", "max_grad_norm")),
     "sample_rate": (("privacy", "sample_rate"), ("hyperparameters", "sample_rate")),
@@ -123,7 +124,10 @@ def dp_summary(metrics: dict[str, Any]) -> tuple[dict[str, Any], dict[str, float
 # tests/cluster/test_mlflow_load.py.
 DP_VIEW = "dp-runs"
 _VIEW_METRICS = ("epsilon_spent", "test_accuracy", "val_accuracy", "test_robust_accuracy")
-_VIEW_PARAMS = "target_epsilon delta noise_multiplier max_grad_norm sample_rate steps algorithm"
+# ε spent beside its target, δ and the accountant that computed it (issue 50), then the rest
+_VIEW_PARAMS = (
+    "target_epsilon delta accountant noise_multiplier max_grad_norm sample_rate steps algorithm"
+)
 _DP_COLUMNS = [f"metrics.`{m}`" for m in _VIEW_METRICS] + [
     f"params.`{p}`" for p in (_VIEW_PARAMS + " upstream task seed").split()
 ]
