@@ -226,6 +226,34 @@ def test_unreachable_epsilon_is_refused_at_validation():
     _rejected(_default(lambda r: r["sweeps"].update(epsilon=100000)), "sweeps.epsilon")
 
 
+def test_a_job_checks_the_reach_of_its_own_cell_only(tiny_raw, tmp_path, capsys):
+    """The workflow refuses an unreachable grid epsilon before any job; a job validates again
+    but checks the cell it trains only (each (q, steps) costs the RDP bound ~0.25 s)."""
+    from dpadapter.cli import main
+    from dpadapter.validation import validate_files
+
+    tiny_raw["finetune"]["epsilons"] = [1, 1000]
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump(tiny_raw))
+    unreachable = "finetune.epsilons: epsilon 1000 on task 'syn-shift' is out of reach"
+    for cells in (None, [("syn-shift", 1000)], [("syn-shift", 1000.0), ("syn-same", 1)]):
+        with pytest.raises(ConfigError, match="out of reach") as info:
+            validate_files(tiny_raw, [cfg], cells=cells)
+        assert unreachable in str(info.value)
+    for cells in ([], [("syn-shift", 1)], [("syn-same", 4)]):
+        validate_files(tiny_raw, [cfg], cells=cells)
+    # the CLI: `validate` checks every cell, a fine-tuning job its own, before it trains
+    job = ["finetune", "--upstream", "scratch", "--algo", "dpsgd", "--seed", "0"]
+    job += ["--ckpt", str(tmp_path / "none.pt"), "--out", str(tmp_path / "out")]
+    for argv in (["validate"], [*job, "--task", "syn-shift", "--eps", "1000"]):
+        assert main(["--config", str(cfg), *argv]) == 2
+        assert unreachable in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+    # a stage that trains no cell checks none (here one that reads finished runs: none yet)
+    assert main(["--config", str(cfg), "table-so-far", "--out", str(tmp_path / "so-far")]) == 0
+    assert "out of reach" not in capsys.readouterr().err
+
+
 def test_batch_larger_than_a_task_is_refused(tiny_raw):
     tiny_raw["finetune"]["batch_size"] = 301
     _rejected(tiny_raw, "finetune.batch_size: 301 exceeds task 'syn-same'")

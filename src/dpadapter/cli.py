@@ -91,10 +91,19 @@ def main(argv: list[str] | None = None) -> int:
     # The workflow checked every backbone before any job; a pretrain job builds its method's
     # from the config, a fine-tuning job its upstream's from the checkpoint's own record.
     own = {"pretrain": [getattr(args, "method", "")], "finetune": []}.get(args.stage)
+    # Likewise every grid cell's epsilon against the calibration's reach: a job checks the one
+    # it trains (`validate` all of them).
+    cells = None if args.stage == "validate" else []
+    if args.stage == "finetune":
+        cells = [(args.task, args.eps)]
     try:  # an optional section a stage does not read never stops it (dpadapter.sections)
         raw = read_raw(args.config)
         cfg = validate_files(
-            raw, [args.config], sections=stage_sections(args.stage, raw), backbones=own
+            raw,
+            [args.config],
+            sections=stage_sections(args.stage, raw),
+            backbones=own,
+            cells=cells,
         )
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -170,6 +170,7 @@ def validate_files(
     check_files: bool = False,
     sections: tuple[str, ...] | None = None,
     backbones: Collection[str] | None = None,
+    cells: Collection[tuple[str, float]] | None = None,
 ) -> Config:
     """`validate` for `raw` merged from `files` (and `overrides`), each problem pointed at the
     file and line where its fix belongs (`dpadapter.problems.locate`).
@@ -177,15 +178,18 @@ def validate_files(
     `backbones`: the upstreams whose backbone is checked (a job checks only the one it builds;
     the workflow checked them all before any job). None: all.
 
+    `cells`: the (task, epsilon) cells whose reach under the calibration is checked (a job
+    checks only the one it trains, `dpadapter.stages.checks.only_cells`). None: all.
+
     Each file (and each `base:` it builds on) is read again for its key lines: whoever loaded
     `raw` (Snakemake's `--configfile` loader, PyYAML) kept the later of two equal keys silently,
     so a duplicate is refused here, naming both lines; every other problem gets `file:line:` of
     the key it names.
     """
-    with only_backbones(backbones):
+    with only_backbones(backbones), stage_checks.only_cells(cells):
         cfg, problems = check_files_of(raw, files, overrides, check_files)
-    problems = blocking(problems, sections)
-    if problems:
-        own = functools.partial(check, check_files=check_files)  # the base's own problems
-        raise locate(error(problems), files, overrides, own=own, defaults=cfg.to_dict())
+        problems = blocking(problems, sections)
+        if problems:
+            own = functools.partial(check, check_files=check_files)  # the base's own problems
+            raise locate(error(problems), files, overrides, own=own, defaults=cfg.to_dict())
     return cfg

@@ -8,6 +8,10 @@ declared counts (`dpadapter.data.sizes`). Each problem is a `key: text` line;
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Collection, Iterator
+from contextvars import ContextVar
+
 from dpadapter import catalog
 from dpadapter.data.sizes import task_sizes
 from dpadapter.privacy import max_reachable_epsilon
@@ -62,8 +66,29 @@ def grid_problems(cfg: Config) -> list[str]:
     return problems
 
 
+# The (task, epsilon) cells whose reach is checked (None: all). The workflow checks every cell
+# before any job; a job validates its config again but trains at most one cell of it (a
+# fine-tuning job its own, the other stages none), and each distinct (q, steps) costs the RDP
+# bound about 0.25 s of CPU (Opacus' fractional-order series at sigma = SIGMA_MIN): half of a
+# tiny fine-tuning job's time in the fork server's children, paid by every job of the grid.
+_ONLY: ContextVar[frozenset[tuple[str, float]] | None] = ContextVar(
+    "dpadapter_checked_cells", default=None
+)
+
+
+@contextlib.contextmanager
+def only_cells(cells: Collection[tuple[str, float]] | None) -> Iterator[None]:
+    """Within: `privacy_problems` checks the reach of these (task, epsilon) cells only."""
+    token = _ONLY.set(None if cells is None else frozenset((t, float(e)) for t, e in cells))
+    try:
+        yield
+    finally:
+        _ONLY.reset(token)
+
+
 def privacy_problems(cfg: Config) -> list[str]:
-    """Delta against the smallest task, each grid epsilon against what the calibration reaches."""
+    """Delta against the smallest task, each grid epsilon against what the calibration reaches
+    (the cells of `only_cells`: a job's own)."""
     out = []
     delta = cfg.privacy.delta
     if not 0 < delta < 1:
@@ -85,6 +110,7 @@ def privacy_problems(cfg: Config) -> list[str]:
     if "dpadapter" in cfg.sweeps.methods:  # the sweeps fine-tune DPAdapter's variants only
         for t in cfg.sweeps.tasks or tuple(cfg.tasks):
             grids.setdefault(t, {}).setdefault(float(cfg.sweeps.epsilon), "sweeps.epsilon")
+    only = _ONLY.get()
     for task, epsilons in grids.items():
         n = sizes.get(task)
         if n is None:
@@ -95,6 +121,10 @@ def privacy_problems(cfg: Config) -> list[str]:
                 "examples"
             )
             continue
+        if only is not None:
+            epsilons = {e: at for e, at in epsilons.items() if (task, e) in only}
+            if not epsilons:
+                continue
         q = ft.batch_size / n
         steps = ft.epochs * int(1 / q)
         top = max_reachable_epsilon(delta, q, steps)
