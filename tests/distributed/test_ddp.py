@@ -1,10 +1,12 @@
 """A DP job in two processes (gloo, torchrun) keeps a one-process job's guarantee (issue 39).
 
-Each test launches `ddp_worker.py` under torchrun with two CPU processes and compares what the
-ranks wrote with the same computation made here in one process: the released clipped sum (noise
+The tests compare what `ddp_worker.py`, launched under torchrun with two CPU processes, wrote
+with the same computation made here in one process: the released clipped sum (noise
 0, float64) in every per-sample mode, the noise added exactly once (a planted bug that adds it
 on every rank, or on none, fails the same comparison), the replicas equal and the ledger's
 epsilon that of one process, the refusals, the resume, and a crash on one rank failing the job.
+Every case that ends normally runs in one launch (`launched`; a launch costs ~12 s of CPU, a
+case about a second); the crash has its own.
 """
 
 from __future__ import annotations
@@ -23,11 +25,8 @@ from distributed import ddp_worker as w
 REPO = Path(__file__).resolve().parents[2]
 
 
-def torchrun(case: str, out: Path, *args: str, plant: str | None = None, timeout: float = 240):
+def torchrun(case: str, out: Path, *args: str, timeout: float = 240):
     env = {**os.environ, "PYTHONPATH": f"{REPO / 'src'}{os.pathsep}{REPO / 'tests'}"}
-    env.pop("DDP_PLANT", None)
-    if plant:
-        env["DDP_PLANT"] = plant
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
            "--max-restarts=0", str(REPO / "tests/distributed/ddp_worker.py"), case, str(out),
            *args]  # fmt: skip
@@ -41,12 +40,22 @@ def ranks(out: Path) -> list[dict]:
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
 
 
+ALLOWED = ("dpsgd", "dpsat", "dpsat-momentum", "dpsam", "adpalloc")
+
+
 @pytest.fixture(scope="module")
-def released(tmp_path_factory):
-    out = tmp_path_factory.mktemp("releases")
-    p, _ = torchrun("releases", out)
+def launched(tmp_path_factory) -> list[dict]:
+    """Every case that ends normally, from one launch (`ddp_worker.py all`): each rank's
+    results by case."""
+    out = tmp_path_factory.mktemp("all")
+    p, _ = torchrun("all", out, *ALLOWED)
     assert p.returncode == 0, p.stderr[-3000:]
     return ranks(out)
+
+
+@pytest.fixture
+def released(launched) -> list[dict]:
+    return [r["releases"] for r in launched]
 
 
 @pytest.mark.parametrize("mode", w.MODES)
@@ -85,34 +94,22 @@ def test_rank_0s_noise_reaches_every_rank_when_its_own_batch_is_empty(released):
         assert torch.allclose(got, one, rtol=1e-12, atol=1e-12), (got - one).abs().max()
 
 
-@pytest.mark.parametrize("bug", ["every-rank", "none"])
-def test_the_noise_test_sees_noise_added_on_every_rank_or_on_none(tmp_path, bug):
-    p, _ = torchrun("releases", tmp_path, plant=bug)
-    assert p.returncode == 0, p.stderr[-3000:]
+@pytest.mark.parametrize("bug", w.BUGS)
+def test_the_noise_test_sees_noise_added_on_every_rank_or_on_none(launched, bug):
+    """The same releases with a planted bug (made in the launch, then undone) fail the
+    comparisons above."""
+    got = launched[0]["planted"][bug]
     one = w.release("bk", 1.3, torch.arange(w.TOTAL), w.TOTAL)
-    got = ranks(tmp_path)[0][("bk", 1.3)]
-    assert not torch.allclose(got, one, rtol=1e-6, atol=1e-6)
+    assert not torch.allclose(got["bk"], one, rtol=1e-6, atol=1e-6)
     # and with rank 0's own batch empty
     one = w.release("bk", 1.3, torch.arange(5), 5)
-    got = ranks(tmp_path)[0]["empty-rank0-noisy"]
-    assert not torch.allclose(got, one, rtol=1e-6, atol=1e-6)
-
-
-ALLOWED = ("dpsgd", "dpsat", "dpsat-momentum", "dpsam", "adpalloc")
-
-
-@pytest.fixture(scope="module")
-def fits(tmp_path_factory):
-    out = tmp_path_factory.mktemp("fits")
-    p, _ = torchrun("fit", out, "bk", "24", *ALLOWED)
-    assert p.returncode == 0, p.stderr[-3000:]
-    return ranks(out)
+    assert not torch.allclose(got["empty-rank0-noisy"], one, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("algo", ALLOWED)
-def test_replicas_stay_equal_and_epsilon_is_one_process(fits, algo):
+def test_replicas_stay_equal_and_epsilon_is_one_process(launched, algo):
     """24 examples at q = 1/8 (expected 1.5 per rank): local batches are often empty."""
-    r0, r1 = fits[0][algo], fits[1][algo]
+    r0, r1 = launched[0]["fit"][algo], launched[1]["fit"][algo]
     assert torch.equal(r0["weights"], r1["weights"])  # one release, one update, on both
     one = w.fit(algo, "bk", 24)
     assert r0["history"] == one["history"]  # the same (q, sigma, steps) records
@@ -120,27 +117,21 @@ def test_replicas_stay_equal_and_epsilon_is_one_process(fits, algo):
     assert not torch.equal(r0["weights"], one["weights"])  # two samplers, not one: it did run
 
 
-def test_algorithms_that_cannot_run_across_processes_are_refused(tmp_path):
-    p, _ = torchrun("refuse", tmp_path, "gep", "adpclip", "dpsgd")
-    assert p.returncode == 0, p.stderr[-3000:]
-    got = ranks(tmp_path)[0]
+def test_algorithms_that_cannot_run_across_processes_are_refused(launched):
+    got = launched[0]["refuse"]
     assert "cannot run in 2 processes" in got["gep"] and "anchor" in got["gep"]
     assert "cannot run in 2 processes" in got["adpclip"] and "count" in got["adpclip"]
-    assert got["dpsgd"] is None
+    assert "dpsgd" in launched[0]["fit"]  # an allowed one ran in the same launch
 
 
-def test_a_killed_job_resumes_to_the_uninterrupted_run(tmp_path):
+def test_a_killed_job_resumes_to_the_uninterrupted_run(launched):
     """Killed after epoch 1's state was saved, resumed: each rank's sampler and RNG come back
     (rank 1's own, not rank 0's), so the weights and the ledger are the uninterrupted run's."""
-    p, _ = torchrun("resume", tmp_path, "dpsgd")
-    assert p.returncode == 0, p.stderr[-3000:]
-    resumed = ranks(tmp_path)
-    p2, _ = torchrun("fit", tmp_path / "straight", "bk", "48", "dpsgd")
-    assert p2.returncode == 0, p2.stderr[-3000:]
-    whole = ranks(tmp_path / "straight")
     for r in (0, 1):
-        assert torch.equal(resumed[r]["weights"], whole[r]["dpsgd"]["weights"])
-        assert resumed[r]["history"] == whole[r]["dpsgd"]["history"]
+        resumed, whole = launched[r]["resume"], launched[r]["straight"]
+        assert torch.equal(resumed["weights"], whole["weights"])
+        assert resumed["history"] == whole["history"]
+    assert not torch.equal(launched[0]["resume"]["weights"], w.fit("dpsgd", "bk", 48)["weights"])
 
 
 def test_a_crash_on_one_rank_fails_the_job_without_a_hang(tmp_path):
@@ -151,23 +142,12 @@ def test_a_crash_on_one_rank_fails_the_job_without_a_hang(tmp_path):
     assert took < 90, took
 
 
-PRETRAIN = ("standard", "sam", "dpadapter")
-
-
-@pytest.fixture(scope="module")
-def pretrained(tmp_path_factory):
-    out = tmp_path_factory.mktemp("pretrain")
-    p, _ = torchrun("pretrain", out, *PRETRAIN)
-    assert p.returncode == 0, p.stderr[-3000:]
-    return ranks(out)
-
-
-@pytest.mark.parametrize("method", PRETRAIN)
-def test_pre_training_in_two_processes_makes_the_one_process_updates(pretrained, method):
+@pytest.mark.parametrize("method", w.PRETRAIN)
+def test_pre_training_in_two_processes_makes_the_one_process_updates(launched, method):
     """Warm-up's SGD, SAM's perturbation and DPAdapter's B1 gradient split over two ranks
     (pretrain.processes): the same weights as one process, up to the order of the sums."""
     one = w.pretrain(method)["weights"]
-    r0, r1 = pretrained[0][method]["weights"], pretrained[1][method]["weights"]
+    r0, r1 = launched[0]["pretrain"][method]["weights"], launched[1]["pretrain"][method]["weights"]
     assert torch.equal(r0, r1)  # the replicas made the same updates
     assert torch.allclose(r0, one, rtol=1e-4, atol=1e-5), (r0 - one).abs().max()
     start = w.model()
