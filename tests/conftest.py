@@ -6,7 +6,9 @@ import copy
 import os
 import shutil
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 
@@ -68,6 +70,52 @@ def tiny_cfg(tiny_raw, tmp_path, monkeypatch, empty_mlflow_store):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlruns.db'}")
     return from_dict(tiny_raw)
+
+
+class ForkServers(NamedTuple):
+    env: str  # the value of DPADAPTER_PREFORK that names them ("" where switched off)
+    log: Path  # what they served, a line per job
+
+
+@pytest.fixture(scope="session")
+def _fork_servers(tmp_path_factory) -> ForkServers:
+    """Fork servers (`dpadapter.prefork`) for 1 and 2 threads, started once per xdist worker.
+
+    Each Snakemake run of the workflow starts servers of its own, which import torch, Opacus
+    and MLflow (~5 s of CPU each, two per run); the end-to-end tests make a few dozen runs. A
+    run finds these in `DPADAPTER_PREFORK` (`shared_fork_servers`) and uses them instead
+    (`prefork.inherited`); its jobs are forked exactly as from its own (tests/test_prefork.py).
+    The tiny pipeline's test keeps starting its own, and checks that it does.
+    """
+    from dpadapter import prefork
+
+    log = tmp_path_factory.mktemp("fork-servers") / "prefork.log"
+    started = (prefork.start(sys.executable, log, threads=k, idle_seconds=7200) for k in (1, 2))
+    env = os.pathsep.join(p for p in started if p)
+    yield ForkServers(env, log)
+    prefork.stop(env)
+
+
+@pytest.fixture
+def shared_fork_servers(_fork_servers, monkeypatch) -> ForkServers:
+    """The worker's fork servers in this test's environment (its Snakemake runs use them)."""
+    from dpadapter import prefork
+
+    if _fork_servers.env:
+        monkeypatch.setenv(prefork.ENV, _fork_servers.env)
+    return _fork_servers
+
+
+@pytest.fixture(scope="module")
+def module_fork_servers(_fork_servers) -> Iterator[ForkServers]:
+    """`shared_fork_servers` for a whole module, its module-scoped runs included
+    (`pytestmark = pytest.mark.usefixtures("module_fork_servers")`)."""
+    from dpadapter import prefork
+
+    with pytest.MonkeyPatch.context() as mp:
+        if _fork_servers.env:
+            mp.setenv(prefork.ENV, _fork_servers.env)
+        yield _fork_servers
 
 
 @pytest.fixture(autouse=True)

@@ -22,6 +22,8 @@ from tiny_config import TINY_RAW
 
 from dpadapter import prefork
 
+REPO = Path(__file__).resolve().parents[1]
+
 SRC = Path(__file__).resolve().parents[1] / "src"
 
 
@@ -225,6 +227,52 @@ def test_the_socket_list_is_read_by_thread_count(monkeypatch):
         assert prefork.server_for_this_job(both) == want
     assert prefork.server_for_this_job("/t/a/jobs.sock") == "/t/a/jobs.sock"
     assert prefork.server_for_this_job("") == ""
+
+
+def test_a_run_uses_the_servers_it_inherits_only_when_they_serve_every_thread_count(tmp_path):
+    """`prefork.inherited`: a parent's servers (the test suite's) are used where each thread
+    count the run needs has one that is up or still starting; else the run starts its own."""
+    one, two = tmp_path / "a" / "jobs.sock", tmp_path / "b" / "jobs-t2.sock"
+    for p in (one, two):
+        p.parent.mkdir()
+    both = os.pathsep.join([str(one), str(two)])
+    assert prefork.inherited(both, [1]) is None  # neither is up nor starting
+    one.touch()
+    assert prefork.inherited(both, [1]) == both
+    assert prefork.inherited(both, [1, 2]) is None  # no 2-thread server
+    Path(str(two) + prefork.STARTING).write_text(str(os.getpid()))  # importing, alive
+    assert prefork.inherited(both, [1, 2]) == both
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+    Path(str(two) + prefork.STARTING).write_text(dead)  # its server died while importing
+    assert prefork.inherited(both, [1, 2]) is None
+    for off in (None, "", "0"):
+        assert prefork.inherited(off, [1]) is None
+
+
+def test_a_workflow_run_uses_inherited_servers_and_stops_only_its_own(
+    shared_fork_servers, tmp_path
+):
+    """A run started with the suite's servers in `DPADAPTER_PREFORK` forks its jobs from them,
+    starts none of its own, and leaves them serving when it ends."""
+    raw = json.loads(json.dumps(TINY_RAW))
+    raw["tasks"] = {"syn-shift": raw["tasks"]["syn-shift"]}
+    raw["pretrain"]["methods"] = ["scratch"]
+    raw["finetune"]["epsilons"] = [4]
+    raw["finetune"]["epochs"] = 1
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(raw))
+    cmd = [sys.executable, "-m", "snakemake", "--snakefile", str(REPO / "Snakefile"),
+           "--directory", str(tmp_path), "--cores", "2",
+           "results/finetune/scratch/syn-shift/dpsgd/eps4/seed0/metrics.json"]  # fmt: skip
+    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlruns.db'}"}
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert not (tmp_path / "results" / "logs" / "prefork.log").exists()  # no server of its own
+    for path in shared_fork_servers.env.split(os.pathsep):
+        assert os.path.exists(path), path  # still serving
+    served = shared_fork_servers.log.read_text()
+    assert "finetune --upstream scratch --task syn-shift" in served, served[-2000:]
+    assert "pretrain --method scratch" in served, served[-2000:]
 
 
 def test_no_server_or_switched_off_runs_in_process(tmp_path, monkeypatch):

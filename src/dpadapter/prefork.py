@@ -39,6 +39,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Collection
 from pathlib import Path
 
 # the servers' socket paths (`os.pathsep` between them); "0" or empty: run in-process
@@ -480,6 +481,26 @@ def start(
     log.close()
     Path(path + STARTING).write_text(str(server.pid))
     return path
+
+
+def inherited(value: str | None, threads: Collection[int]) -> str | None:
+    """`value` (`$ENV` as this run found it) where its servers serve every count in `threads`
+    and each is up or starting: servers a parent process started for many runs (a test
+    session's, tests/conftest.py), which a run uses instead of importing again in its own.
+    None: the run starts its own. A job of a count they lack, or of another copy of the
+    package, is refused by the server it reaches and runs in its own process, as ever."""
+    paths = [p for p in (value or "").split(os.pathsep) if p and p != "0"]
+    live = {_threads_of(p) for p in paths if _up_or_starting(p)}
+    return value if paths and {str(k) for k in threads} <= live else None
+
+
+def _up_or_starting(path: str) -> bool:
+    if os.path.exists(path):
+        return True
+    try:
+        return _alive(int(Path(path + STARTING).read_text()))
+    except (OSError, ValueError):
+        return False
 
 
 def stop(path: str | None) -> None:

@@ -11,6 +11,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+# Snakemake runs fork their jobs from the worker's fork servers (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("module_fork_servers")
+
 REPO = Path(__file__).resolve().parents[2]
 
 FED = {

@@ -7,8 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 from tiny_config import TINY_RAW
+
+# Snakemake runs fork their jobs from the worker's fork servers (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("module_fork_servers")
 
 REPO = Path(__file__).resolve().parents[2]
 

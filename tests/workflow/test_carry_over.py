@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 from dpadapter.fingerprint import PINNED_UPSTREAMS
@@ -26,6 +27,9 @@ from dpadapter.identity import (
     sections,
 )
 from dpadapter.settings import from_dict
+
+# Snakemake runs fork their jobs from the worker's fork servers (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("module_fork_servers")
 
 REPO = Path(__file__).resolve().parents[2]
 

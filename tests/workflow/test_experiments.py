@@ -16,6 +16,9 @@ import yaml
 from dpadapter.identity import IDENTITY_FILE, OVERWRITE_ENV, check, config_hash, record, sections
 from dpadapter.settings import from_dict
 
+# Snakemake runs fork their jobs from the worker's fork servers (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("module_fork_servers")
+
 REPO = Path(__file__).resolve().parents[2]
 
 

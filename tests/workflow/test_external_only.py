@@ -25,6 +25,9 @@ import yaml
 from external_helpers import params_for, save_as, source_model
 from tiny_config import TINY_RAW
 
+# Snakemake runs fork their jobs from the worker's fork servers (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("module_fork_servers")
+
 REPO = Path(__file__).resolve().parents[2]
 OVERLAY = """\
 base: base.yaml

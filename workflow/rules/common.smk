@@ -207,6 +207,10 @@ wildcard_constraints:
     seed="[0-9]+",
 
 
+# The fork servers this run started, and stops (none where it uses a parent's: `onstart`).
+_OWN_SERVERS = []
+
+
 onstart:
     _identity.before_run(CFG)
     _write_config_file()
@@ -226,19 +230,26 @@ onstart:
         # training rules' one thread (warm-up and pre-training take workflow.cores): a job
         # finds the server of its own count in the socket list.
         _threads = _smk.threads_of_jobs_to_run(workflow)
-        _sockets = [
-            _prefork.start(PYTHON, f"{RESULTS}/logs/prefork.log", threads=k)
-            for k in sorted({1} | {k for k, n in _threads.items() if n >= _prefork.MIN_JOBS})
-        ]
-        if all(_sockets):
-            os.environ[_prefork.ENV] = os.pathsep.join(_sockets)
+        _wanted = sorted({1} | {k for k, n in _threads.items() if n >= _prefork.MIN_JOBS})
+        # servers a parent started for many runs (the test suite's) serve this one too
+        if _prefork.inherited(os.environ.get(_prefork.ENV), _wanted) is None:
+            _sockets = [
+                _prefork.start(PYTHON, f"{RESULTS}/logs/prefork.log", threads=k) for k in _wanted
+            ]
+            if all(_sockets):
+                os.environ[_prefork.ENV] = os.pathsep.join(_sockets)
+                _OWN_SERVERS.extend(_sockets)
 
 
 # Record what a successful run built in dvc.lock, so `dvc push` uploads it (dpadapter.dvc_sync).
 onsuccess:
-    _prefork.stop(os.environ.pop(_prefork.ENV, None))
+    _prefork.stop(os.pathsep.join(_OWN_SERVERS))
+    if _OWN_SERVERS:
+        os.environ.pop(_prefork.ENV, None)
     _dvc_sync.commit(RESULTS, _smk.finished_outputs(workflow))
 
 
 onerror:
-    _prefork.stop(os.environ.pop(_prefork.ENV, None))
+    _prefork.stop(os.pathsep.join(_OWN_SERVERS))
+    if _OWN_SERVERS:
+        os.environ.pop(_prefork.ENV, None)
