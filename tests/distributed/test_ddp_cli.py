@@ -14,11 +14,17 @@ import pytest
 import yaml
 from tiny_config import TINY_HPO, TINY_RAW
 
+from dpadapter import prefork
+
 REPO = Path(__file__).resolve().parents[2]
+# A one-process job is forked from the worker's fork server (tests/conftest.py) as a local
+# run's jobs are: it sees one thread, as Snakemake's training rules give it; a two-process one
+# re-launches itself under torchrun from there (as in tests/distributed/test_ddp_pipeline.py).
+pytestmark = pytest.mark.usefixtures("module_fork_servers")
 
 
 def _run(config: Path, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "DPADAPTER_PREFORK": "0"}
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), **dict.fromkeys(prefork.THREAD_ENV, "1")}
     cmd = [sys.executable, "-m", "dpadapter", "--config", str(config), *args]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
 
