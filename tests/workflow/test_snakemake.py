@@ -176,8 +176,9 @@ def _chromium() -> str:
 
 
 @pytest.mark.slow
-def test_report_shows_the_tables_and_figures_in_a_browser(tiny_run):
-    """`make report`'s two steps on the tiny run, then the report opened in headless Chromium."""
+def test_report_shows_the_tables_and_figures_in_a_browser(tiny_run, shared_fork_servers):
+    """`make report`'s two steps on the tiny run, then the report opened in headless Chromium.
+    (Its page jobs fork from the worker's servers; the tiny run started and checked its own.)"""
     chromium = _chromium()
     wd, first = tiny_run
     assert first.returncode == 0, first.stderr[-3000:]
