@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -330,10 +331,14 @@ def test_a_server_that_cannot_fork_safely_refuses_by_name(hazard, tmp_path):
 
 def test_the_preloaded_imports_leave_the_server_safe_to_fork(server):
     """What the server imports (torch, Opacus, MLflow, timm) starts no Python thread and no
-    CUDA context: its first log line says so, and the guard above never refused its jobs."""
+    CUDA context: its first log line says so, and the guard above never refused its jobs. And
+    what it imported is frozen out of the collector's reach: each child's first full collection
+    walked it all (~0.35 s of a tiny job)."""
     _, log = server
     text = log.read_text()
     assert "(1 Python thread), CUDA initialised: False" in text.splitlines()[0], text[:500]
+    frozen = int(re.search(r"(\d+) objects frozen", text.splitlines()[0]).group(1))
+    assert frozen > 100_000, text[:500]  # torch alone makes more
     assert "refused: " not in text
 
 
