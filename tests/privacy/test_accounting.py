@@ -66,10 +66,10 @@ def _order_warnings(history, accountant):
 
 
 def test_rdp_order_warnings_are_silenced_under_prv_only():
-    """PRV sizes its domain with an RDP bound at a tiny delta whose best order is the largest:
-    its warning is about that grid, not the reported epsilon (issue 50). Under RDP, the same
-    warning is about the epsilon reported, and stays."""
-    history = [Segment(0.3, 0.05, 2000)]  # RDP's best order is its smallest here
+    """PRV sizes its domain with an RDP bound at a tiny delta, whose best order is the largest
+    at the large sigmas of small budgets: its warning is about that grid, not the reported
+    epsilon (issue 50). Under RDP, the same warning is about the epsilon reported, and stays.
+    (Quick: 0.03 s; an unfiltered PRV accountant warns twice here.)"""
+    history = [Segment(5.0, 0.01, 10)]
     assert _order_warnings(history, "prv") == []
-    assert _order_warnings([Segment(1.0, 0.05, 100)], "prv") == []
-    assert any("smallest alpha" in w for w in _order_warnings(history, "rdp"))
+    assert any("largest alpha" in w for w in _order_warnings(history, "rdp"))
