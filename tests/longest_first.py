@@ -15,61 +15,44 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
-# seconds per file, rounded, the files of 5 s or more: summed `--durations` of two quiet
-# in-tree runs of the whole suite (2026-11-27, 2 workers): 3bc0784's for the files this
-# session left alone, 5775eab's for those it changed (later changes noted)
+# seconds per file, rounded; the files above ~5 s (a junit report of `make test`, session 10)
 FILE_SECONDS = {
-    "tests/cluster/test_slurm.py": 137,
-    "tests/workflow/test_dpsat_table3.py": 118,
-    "tests/workflow/test_external_only.py": 86,
-    "tests/bench/test_gpu_session.py": 78,
-    "tests/workflow/test_snakemake.py": 76,
-    "tests/algorithms/test_privacy_suite.py": 68,
-    "tests/cluster/test_mlflow_load.py": 67,
-    "tests/test_tracking.py": 52,
-    "tests/cluster/test_dvc.py": 50,
-    "tests/test_prefork.py": 42,
-    "tests/distributed/test_ddp_pipeline.py": 37,
-    "tests/distributed/test_ddp_cli.py": 35,  # 47 s before its jobs forked; 31 s alone after
-    "tests/stages/test_external_finetune.py": 31,
-    "tests/cluster/test_table_over_allocations.py": 30,
-    "tests/train/test_batching.py": 29,
-    "tests/workflow/test_experiments.py": 24,
-    "tests/cluster/test_slurm_groups.py": 24,
-    "tests/per_sample/test_precision.py": 24,
-    "tests/stages/test_finetune.py": 24,
-    "tests/bench/test_gpu_table2.py": 22,
-    "tests/distributed/test_ddp.py": 22,  # 96 s at 3bc0784: nine torchrun launches, now two
-    "tests/stages/test_lean_imports.py": 21,
-    "tests/test_config_overlay.py": 20,
-    "tests/train/test_resume_sigkill_pretrain.py": 19,
-    "tests/cluster/test_resume_sigkill.py": 18,
-    "tests/test_supervise.py": 17,
-    "tests/bench/test_ddp_step.py": 15,
-    "tests/bench/test_accountant_memo.py": 15,
-    "tests/workflow/test_fingerprint.py": 15,
-    "tests/test_config_corpus.py": 14,
-    "tests/models/test_pretrain_dpfl_nets.py": 13,
-    "tests/bench/test_gpu_smoke.py": 13,
-    "tests/hpo/test_network_pipeline.py": 13,
-    "tests/privacy/test_planted_memo.py": 12,
-    "tests/stages/test_paired.py": 11,
-    "tests/privacy/test_accounting.py": 10,  # one 14.6 s test of it cut to 3 s later
-    "tests/compat/test_torchvision_ops.py": 10,
-    "tests/test_overlay_sections.py": 9,
-    "tests/workflow/test_carry_over.py": 9,
-    "tests/hpo/test_recipe.py": 9,
-    "tests/per_sample/test_hooks_channels_last.py": 8,
-    "tests/privacy/test_randomness.py": 8,
-    "tests/federated/test_rule_validity.py": 8,
-    "tests/audit/test_audit_workflow.py": 8,
-    "tests/cluster/test_slurm_profile.py": 7,
-    "tests/test_snakemake_adapter.py": 7,
-    "tests/per_sample/test_independence.py": 7,
-    "tests/algorithms/test_resume_placement.py": 6,
-    "tests/algorithms/test_bookkeeping_algorithms.py": 6,
+    "tests/workflow/test_external_only.py": 134,  # measured alone (issue 36): run, report, rerun
+    "tests/bench/test_gpu_session.py": 70,  # measured alone, quiet, session 11 (a dry run)
+    "tests/cluster/test_slurm.py": 90,
+    "tests/workflow/test_snakemake.py": 78,
+    "tests/cluster/test_dvc.py": 59,
+    "tests/cluster/test_mlflow_load.py": 49,
+    "tests/workflow/test_dpsat_table3.py": 100,  # alone, loaded; the whole run since h36
+    "tests/test_supervise.py": 36,  # alone, loaded (h36)
+    "tests/workflow/test_carry_over.py": 26,  # alone, loaded (h36)
+    "tests/test_tracking.py": 37,
+    "tests/bench/test_gpu_table2.py": 33,
+    "tests/workflow/test_experiments.py": 31,
+    "tests/cluster/test_slurm_groups.py": 25,
+    "tests/cluster/test_resume_sigkill.py": 23,
+    "tests/cluster/test_table_over_allocations.py": 30,  # alone, loaded (27-35 s; issue 44)
+    "tests/train/test_resume_sigkill_pretrain.py": 22,
+    "tests/stages/test_external_finetune.py": 20,
+    "tests/audit/test_audit_workflow.py": 19,
+    "tests/algorithms/test_privacy_suite.py": 19,
+    "tests/stages/test_lean_imports.py": 18,
+    "tests/bench/test_gpu_paper_timing.py": 18,  # measured alone, session 11
+    "tests/test_prefork.py": 17,
+    "tests/test_config_overlay.py": 15,
+    "tests/workflow/test_fingerprint.py": 13,
+    "tests/train/test_batching.py": 13,
+    "tests/stages/test_finetune.py": 13,
+    "tests/test_config_corpus.py": 11,
+    "tests/hpo/test_network_pipeline.py": 7,
+    "tests/federated/test_rule_validity.py": 7,
+    "tests/bench/test_gpu_smoke.py": 7,
+    "tests/privacy/test_accounting.py": 7,
+    "tests/test_snakemake_adapter.py": 7,  # three real snakemake runs of a two-rule workflow
     "tests/hpo/test_hpo_workflow.py": 6,
-    "tests/privacy/test_calibration_bounds.py": 6,
+    "tests/per_sample/test_precision.py": 6,
+    "tests/per_sample/test_bookkeeping.py": 5,
+    "tests/compat/test_torchvision_ops.py": 5,
 }
 
 SECONDS_PER_UNLISTED_TEST = 0.3
