@@ -202,14 +202,16 @@ def _wait_while_starting(path: str) -> None:
     """A job that starts while the server imports waits for it: importing in parallel would cost
     the job as long, and the CPU the server needs (`STARTING`; a dead server is not waited for)."""
     deadline = time.monotonic() + STARTUP_WAIT_S
-    while not os.path.exists(path) and time.monotonic() < deadline:
-        try:
-            pid = int(Path(path + STARTING).read_text())
-        except (OSError, ValueError):
-            return
-        if not _alive(pid):
-            return
+    while not os.path.exists(path) and time.monotonic() < deadline and _starting(path):
         time.sleep(0.05)
+
+
+def _starting(path: str) -> bool:
+    """Whether the server of `path` is still importing: its `STARTING` marker names a live pid."""
+    try:
+        return _alive(int(Path(path + STARTING).read_text()))
+    except (OSError, ValueError):
+        return False
 
 
 def _send_signal(conn: socket.socket, signum: int) -> None:
@@ -497,17 +499,8 @@ def inherited(value: str | None, threads: Collection[int]) -> str | None:
     None: the run starts its own. A job of a count they lack, or of another copy of the
     package, is refused by the server it reaches and runs in its own process, as ever."""
     paths = [p for p in (value or "").split(os.pathsep) if p and p != "0"]
-    live = {_threads_of(p) for p in paths if _up_or_starting(p)}
+    live = {_threads_of(p) for p in paths if os.path.exists(p) or _starting(p)}
     return value if paths and {str(k) for k in threads} <= live else None
-
-
-def _up_or_starting(path: str) -> bool:
-    if os.path.exists(path):
-        return True
-    try:
-        return _alive(int(Path(path + STARTING).read_text()))
-    except (OSError, ValueError):
-        return False
 
 
 def stop(path: str | None) -> None:
