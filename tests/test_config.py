@@ -89,13 +89,55 @@ def test_finetune_grid_is_main_product_plus_extra_grids(tiny_raw):
     ]
     grid = from_dict(tiny_raw).finetune_grid()
     main = {
-        (u, t, "dpsgd", e, 0)
+        (u, t, "dpsgd", e, 0, "ft")
         for u in ("scratch", "standard")
         for t in ("syn-same", "syn-shift")
         for e in (1.0, 4.0)
     }
-    extra = {("standard", "syn-shift", "dpsgd", e, 7) for e in (1.0, 4.0)}
+    extra = {("standard", "syn-shift", "dpsgd", e, 7, "ft") for e in (1.0, 4.0)}
     assert set(grid) == main | extra and len(grid) == len(main | extra)
+
+
+def test_strategies_are_an_axis_of_the_grid_and_finetune_strategy_keeps_its_folder(tiny_raw):
+    """finetune.strategies multiplies the main grid (an extra grid may name its own); the
+    jobs of finetune.strategy stay in the algorithm's folder, so adding strategies moves none."""
+    from dpadapter.settings import split_folder
+
+    plain = from_dict(tiny_raw)
+    tiny_raw["finetune"]["strategies"] = ["ht", "ft", "ut"]
+    tiny_raw["finetune"]["extra_grids"] = [
+        {"upstreams": ["standard"], "tasks": ["syn-shift"], "algorithms": ["dpsat"],
+         "strategies": ["bitfit"]}
+    ]  # fmt: skip
+    cfg = from_dict(tiny_raw)
+    grid = cfg.finetune_grid()
+    assert [j for j in grid if j[5] == "ft"] == plain.finetune_grid()
+    assert {j[5] for j in grid} == {"ht", "ft", "ut", "bitfit"}
+    assert len(grid) == 3 * len(plain.finetune_grid()) + 2  # + dpsat bitfit at two epsilons
+    assert [j[5] for j in grid[:3]] == ["ht", "ft", "ut"]  # the strategy varies fastest
+    folders = {cfg.finetune.folder(j[2], j[5]) for j in grid}
+    assert folders == {"dpsgd", "dpsgd+ht", "dpsgd+ut", "dpsat+bitfit"}
+    assert {split_folder(f) for f in folders} == {
+        ("dpsgd", None), ("dpsgd", "ht"), ("dpsgd", "ut"), ("dpsat", "bitfit")
+    }  # fmt: skip
+    # a published table is compared with one strategy's runs
+    tiny_raw["reference"] = {
+        "name": "a table", "source": "a paper", "upstream": "scratch", "task": "syn-same",
+        "baseline": "dpsgd", "improved": "dpsgd",
+        "cells": [{"algorithm": "dpsgd", "epsilon": 1, "mean": 80.0, "std": 0.5}],
+    }  # fmt: skip
+    with pytest.raises(ConfigError, match=r"finetune\.strategies: the published table"):
+        validate(tiny_raw)
+    tiny_raw["finetune"]["strategies"] = ["ht"]
+    tiny_raw["finetune"]["extra_grids"] = []
+    validate(tiny_raw)
+    del tiny_raw["reference"]
+    tiny_raw["finetune"]["strategies"] = ["ft", "ft"]
+    with pytest.raises(ConfigError, match=r"finetune\.strategies"):
+        validate(tiny_raw)
+    tiny_raw["finetune"]["strategies"] = ["lora"]
+    with pytest.raises(ConfigError, match=r"finetune\.strategies"):
+        validate(tiny_raw)
 
 
 def test_extra_grid_names_are_checked(tiny_raw):
@@ -159,7 +201,7 @@ def test_every_job_grid_expands_through_the_one_grid(tiny_raw):
     cfg = from_dict(tiny_raw)
     ft = cfg.finetune
     assert cfg.finetune_grid() == grid(
-        cfg.upstreams, cfg.grid_tasks(), ft.algorithms, ft.epsilons, ft.seeds
+        cfg.upstreams, cfg.grid_tasks(), ft.algorithms, ft.epsilons, ft.seeds, (ft.strategy,)
     )
     h = cfg.hpo
     pairs = grid(h.upstreams or cfg.upstreams, h.tasks or tuple(cfg.tasks))

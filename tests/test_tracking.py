@@ -24,7 +24,7 @@ from dpadapter.stages import finetune, pretrain
 
 DP_PARAMS = {
     "target_epsilon", "delta", "accountant", "noise_multiplier", "max_grad_norm", "sample_rate",
-    "steps", "algorithm", "upstream", "task", "seed",
+    "steps", "algorithm", "strategy", "upstream", "task", "seed",
 }  # fmt: skip
 
 
@@ -36,6 +36,28 @@ def _client(tmp_path: Path):
     from mlflow import MlflowClient
 
     return MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlruns.db'}")
+
+
+def test_a_strategys_job_is_its_own_run_and_folder(tiny_cfg, tmp_path):
+    """A job of finetune.strategies other than finetune.strategy (`--algo dpsgd+ht`): its
+    strategy is in the run's name, tags and DP columns, in its resume folder and in what it
+    trained; the config's own strategy spelt as a folder is refused (its folder is plain)."""
+    pretrain.run(tiny_cfg, "scratch", tmp_path / "pre", None)
+    ckpt = tmp_path / "pre" / "model.pt"
+    with pytest.raises(ValueError, match="finetune.strategy"):
+        finetune.run(tiny_cfg, "scratch", "syn-shift", "dpsgd", 2.0, 0, ckpt, tmp_path / "x", "ft")
+    m = finetune.run(tiny_cfg, "scratch", "syn-shift", "dpsgd", 2.0, 0, ckpt, tmp_path / "ft", "ht")
+    assert m["wildcards"]["strategy"] == "ht" and m["hyperparameters"]["strategy"] == "ht"
+    assert [p["phase"] for p in m["privacy"]["phases"]] == ["ht"]
+    run = _client(tmp_path).search_runs(
+        [_client(tmp_path).get_experiment_by_name(tiny_cfg.tracking.experiment).experiment_id],
+        filter_string="tags.stage = 'finetune'",
+    )[0]
+    assert run.info.run_name == "finetune dpsgd ht scratch syn-shift ε=2 s0"
+    assert run.data.tags["strategy"] == "ht" and run.data.params["strategy"] == "ht"
+    wc = {"upstream": "scratch", "task": "syn-shift", "algo": "dpsgd", "eps": "2", "seed": "0"}
+    assert finetune.resume_path(tiny_cfg, {**wc, "strategy": "ht"}).parts[-4] == "dpsgd+ht"
+    assert finetune.resume_path(tiny_cfg, wc).parts[-4] == "dpsgd"
 
 
 def test_finetune_run_has_the_dp_columns_and_the_config_identity(tiny_cfg, tmp_path):

@@ -16,7 +16,7 @@ from dpadapter.audit.cli import add_parsers as add_audit_parsers
 from dpadapter.federated.cli import add_parsers as add_federated_parsers
 from dpadapter.hpo.cli import add_parsers as add_hpo_parsers
 from dpadapter.sections import stage_sections
-from dpadapter.settings import read_raw
+from dpadapter.settings import read_raw, split_folder
 from dpadapter.validation import ConfigError, validate_files
 
 
@@ -165,8 +165,9 @@ def _dispatch(args: argparse.Namespace, cfg) -> None:
     elif args.stage == "finetune":
         from dpadapter.stages import finetune
 
+        algo, strategy = split_folder(args.algo)  # `algo+strategy`: a strategy of the grid
         m = finetune.run(
-            cfg, args.upstream, args.task, args.algo, args.eps, args.seed, args.ckpt, args.out
+            cfg, args.upstream, args.task, algo, args.eps, args.seed, args.ckpt, args.out, strategy
         )
         if m["test_accuracy"] == m["test_accuracy"]:  # another rank of a job: nan, no line
             print(f"test accuracy {m['test_accuracy']:.4f}  epsilon {m['privacy']['epsilon']:.3f}")

@@ -34,6 +34,7 @@ FINETUNE_GRID = (
     "seeds",
     "upstreams",
     "extra_grids",
+    "strategies",
     "algo_params",
     "algo_params_for",
 )
@@ -82,7 +83,8 @@ def algo_params(config: Mapping[str, Any], wildcards: Any) -> Any:
     """The `{algo}` wildcard's `finetune.algo_params` entry ({} for none, as for a federated-*
     audit job)."""
     ft = config.get("finetune", {})
-    algo = wildcards["algo"]
+    # a job folder `algo+strategy` (dpadapter.settings.split_folder) reads its algorithm's params
+    algo = str(wildcards["algo"]).partition("+")[0]
     base = ft.get("algo_params", {}).get(algo, {})
     # `algo_params_for` entries that apply to this job, in order (its params are base + these);
     # without any, the value is the entry alone, as it always was.

@@ -130,6 +130,7 @@ _GRID_KEYS = (
     "finetune.seeds",
     "finetune.upstreams",
     "finetune.extra_grids",
+    "finetune.strategies",
     "hpo.seeds",
     *(f"audit.{k}" for k in ("algorithms", "epsilons", "federated")),
     *(f"federated.{k}" for k in ("upstreams", "strategies", "mechanisms", "seeds", "sweep_seeds")),

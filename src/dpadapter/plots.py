@@ -70,8 +70,10 @@ def accuracy_vs_epsilon(
     epsilon_key: str = "epsilon",
     mean_key: str = "mean_accuracy",
     std_key: str = "std_accuracy",
+    facet_key: str = "strategy",
 ) -> Path:
-    """Downstream DP accuracy against epsilon: one panel per task, one line per upstream method.
+    """Downstream DP accuracy against epsilon: one panel per task, one line per upstream method;
+    one row of panels per tuning strategy where the rows hold several (`facet_key`).
 
     Error bars are the std over fine-tuning seeds. With several DP algorithms in the rows, pass
     `algorithm` to pick one, or the lines of different algorithms would be merged.
@@ -82,39 +84,22 @@ def accuracy_vs_epsilon(
         raise ValueError("accuracy_vs_epsilon: no rows to plot")
     tasks = _ordered(r.get(task_key, "") for r in rows)
     methods = _ordered((r[method_key] for r in rows), upstream_order)
-    fig, axes = plt.subplots(1, len(tasks), figsize=(4.2 * len(tasks), 3.6), squeeze=False)
-    for ax, task in zip(axes[0], tasks, strict=True):
-        for i, method in enumerate(methods):
-            pts = sorted(
-                (_num(r[epsilon_key]), _pct(r[mean_key]), _pct(r.get(std_key)))
+    facets = _ordered(r.get(facet_key, "") for r in rows)
+    fig, axes = plt.subplots(
+        len(facets), len(tasks), figsize=(4.2 * len(tasks), 3.6 * len(facets)), squeeze=False
+    )
+    for facet, ax_row in zip(facets, axes, strict=True):
+        for ax, task in zip(ax_row, tasks, strict=True):
+            cell = [
+                r
                 for r in rows
-                if str(r.get(task_key, "")) == task and str(r[method_key]) == method
-            )
-            if not pts:
-                continue
-            eps, mean, std = zip(*pts, strict=True)
-            yerr = [0.0 if math.isnan(s) else s for s in std]
-            # Colour and marker follow the method, not the panel, so a method missing from one
-            # task does not shift the others' colours.
-            ax.errorbar(
-                eps,
-                mean,
-                yerr=yerr,
-                color=f"C{i % 10}",
-                marker=_MARKERS[i % len(_MARKERS)],
-                capsize=3,
-                label=method,
-            )
-        ax.set_xscale("log")
-        ax.set_xticks(sorted({_num(r[epsilon_key]) for r in rows}))
-        ax.get_xaxis().set_major_formatter(FormatStrFormatter("%g"))
-        ax.minorticks_off()
-        ax.set_xlabel("privacy budget ε")
-        ax.set_ylabel("test accuracy (%)")
-        ax.set_title(task or "downstream")
-        ax.grid(alpha=0.3)
+                if str(r.get(task_key, "")) == task and str(r.get(facet_key, "")) == facet
+            ]
+            _epsilon_panel(ax, cell, rows, methods, method_key, epsilon_key, mean_key, std_key)
+            title = task or "downstream"
+            ax.set_title(f"{title} · {facet}" if len(facets) > 1 else title)
     handles: dict[str, Any] = {}
-    for ax in axes[0]:
+    for ax in axes.flat:
         for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
             handles.setdefault(label, handle)
     fig.legend(
@@ -129,6 +114,38 @@ def accuracy_vs_epsilon(
     fig.suptitle(title + (f" ({algorithm})" if algorithm else ""))
     fig.tight_layout()
     return _save(fig, out)
+
+
+def _epsilon_panel(ax, cell, rows, methods, method_key, epsilon_key, mean_key, std_key) -> None:
+    """One panel of `accuracy_vs_epsilon`: a line per method over the rows of one cell."""
+    for i, method in enumerate(methods):
+        pts = sorted(
+            (_num(r[epsilon_key]), _pct(r[mean_key]), _pct(r.get(std_key)))
+            for r in cell
+            if str(r[method_key]) == method
+        )
+        if not pts:
+            continue
+        eps, mean, std = zip(*pts, strict=True)
+        yerr = [0.0 if math.isnan(s) else s for s in std]
+        # Colour and marker follow the method, not the panel, so a method missing from one
+        # task does not shift the others' colours.
+        ax.errorbar(
+            eps,
+            mean,
+            yerr=yerr,
+            color=f"C{i % 10}",
+            marker=_MARKERS[i % len(_MARKERS)],
+            capsize=3,
+            label=method,
+        )
+    ax.set_xscale("log")
+    ax.set_xticks(sorted({_num(r[epsilon_key]) for r in rows}))
+    ax.get_xaxis().set_major_formatter(FormatStrFormatter("%g"))
+    ax.minorticks_off()
+    ax.set_xlabel("privacy budget ε")
+    ax.set_ylabel("test accuracy (%)")
+    ax.grid(alpha=0.3)
 
 
 def robustness_vs_accuracy(

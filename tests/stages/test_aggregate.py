@@ -79,3 +79,41 @@ def test_markdown_has_one_block_per_algorithm_and_no_empty_rows(grid):
     # one seed: no ±, marked n = 1 ; one task of two: no average
     assert gep[4] == "50.0 (n=1)†" and gep[-2] == "–"
     assert "How to read this" in md
+
+
+def _with_strategy(path: Path, strategy: str, t1: int = 0, steps: int = 16) -> Path:
+    """A job's metrics as a job of `strategy` writes them (finetune.strategies)."""
+    m = json.loads(path.read_text())
+    m["hyperparameters"] = {"strategy": strategy, "t1": t1}
+    m["privacy"]["steps"] = steps
+    if strategy != "ft":
+        m["wildcards"]["strategy"] = strategy
+    path.write_text(json.dumps(m))
+    return path
+
+
+def test_strategies_are_a_column_and_one_strategy_is_named_in_the_title(tmp_path):
+    paths = []
+    for strategy, acc, t1 in (("ht", 0.6, 0), ("ft", 0.7, 0), ("ut", 0.8, 8)):
+        for seed in (0, 1):
+            p = _metrics(tmp_path / strategy, "standard", "a", "dpsgd", 1, seed, acc + 0.01 * seed)
+            paths.append(_with_strategy(p, strategy, t1))
+    rows = aggregate.collect(paths)
+    out = tmp_path / "finetune.csv"
+    aggregate.write_csv(rows, out, aggregate.COLUMNS)
+    got = {r["strategy"]: r for r in csv.DictReader(open(out))}
+    assert sorted(got) == ["ft", "ht", "ut"]
+    assert {r["algorithm"] for r in got.values()} == {"dpsgd"}
+    assert float(got["ut"]["mean_accuracy"]) == pytest.approx(0.805)
+    md = aggregate.table1_markdown(rows, ["standard"])
+    table = [ln for ln in md.splitlines() if ln.startswith("| ")]
+    assert table[0].startswith("| Algorithm | Strategy | Upstream | a ε=1")
+    labels = [tuple(c.strip() for c in ln.split("|")[1:4]) for ln in table[1:4]]
+    assert labels == [("dpsgd", "ft", "standard"), ("dpsgd", "ht", "standard"),
+                      ("dpsgd", "ut (T₁ 50%)", "standard")]  # fmt: skip
+    # the ε-spent table has the same rows, one per strategy
+    spent = md[md.index("ε spent") :].splitlines()
+    assert sum(ln.startswith("| dpsgd | ") for ln in spent) == 3
+    one = aggregate.table1_markdown(aggregate.collect(paths[2:4]), ["standard"])
+    assert one.startswith("Test accuracy (%) of DP fine-tuning by full tuning (every weight) (ft)")
+    assert "| Algorithm | Upstream |" in one and "Strategy" not in one

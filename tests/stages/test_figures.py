@@ -112,3 +112,23 @@ def test_a_mixed_grid_places_what_it_measured_and_names_the_rest(tmp_path):
         ("scratch", "0.3"),
         ("vit", ""),
     ]
+
+
+def test_a_row_of_panels_per_strategy(tmp_path, monkeypatch):
+    """finetune.csv of several tuning strategies: the accuracy-against-ε figure has a row of
+    panels per strategy, titled with it; one strategy keeps the one row it always had."""
+    from dpadapter import plots
+
+    drawn = []
+    monkeypatch.setattr(plots, "_save", lambda fig, out: drawn.append(fig) or out)
+    rows = [
+        {"upstream": u, "task": t, "algorithm": "dpsgd", "strategy": s, "epsilon": e,
+         "mean_accuracy": "0.5", "std_accuracy": "0.01"}
+        for s in ("ht", "ft", "ut") for u in ("scratch", "standard") for t in ("a", "b")
+        for e in ("1", "4")
+    ]  # fmt: skip
+    plots.accuracy_vs_epsilon(rows, tmp_path / "x.png", algorithm="dpsgd")
+    titles = [ax.get_title() for ax in drawn[-1].axes]  # row by row
+    assert titles == ["a · ht", "b · ht", "a · ft", "b · ft", "a · ut", "b · ut"]
+    plots.accuracy_vs_epsilon([r for r in rows if r["strategy"] == "ft"], tmp_path / "y.png")
+    assert [ax.get_title() for ax in drawn[-1].axes] == ["a", "b"]

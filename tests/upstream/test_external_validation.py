@@ -45,7 +45,7 @@ def test_a_label_is_an_upstream_name_everywhere(tiny_raw, vit_file):
     assert method_class(cfg, "vit-s").name == "external"
     assert weights_file(cfg, "vit-s") == str(vit_file)
     assert weights_file(cfg, "scratch") is None
-    assert ("vit-s", "syn-same", "dpsgd", 1.0, 0) in cfg.finetune_grid()
+    assert ("vit-s", "syn-same", "dpsgd", 1.0, 0, "ft") in cfg.finetune_grid()
     # the pretrain job's rerun trigger covers the label's params (its file path among them)
     fp = stage_fingerprint(raw, "pretrain", {"upstream": "vit-s"})
     raw["pretrain"]["external"]["vit-s"]["input"] = {"size": 48}

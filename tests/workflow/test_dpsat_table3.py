@@ -104,7 +104,7 @@ def _fabricate(wd: Path) -> None:
         m = {"stage": "pretrain", "wildcards": {"upstream": up}, "public_report": why,
              "wall_time_s": 3.0 + i}  # fmt: skip
         (folder / "metrics.json").write_text(json.dumps(m))
-    for up, task, algo, eps, seed in cfg.finetune_grid():
+    for up, task, algo, eps, seed, _ in cfg.finetune_grid():
         folder = res / "finetune" / up / task / algo / f"eps{eps:g}" / f"seed{seed}"
         folder.mkdir(parents=True)
         (folder / "model.pt").write_bytes(b"a checkpoint")

@@ -3,6 +3,7 @@ changed config that would overwrite another config's results says so before any 
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import re
@@ -203,3 +204,48 @@ def test_growing_the_grid_plans_only_the_new_jobs(tiny_raw, tmp_path):
     assert "another config" not in out
     planned = re.findall(r"output: (results/finetune/\S+/metrics\.json)", out)
     assert sorted(planned) == sorted(grown[1:]), planned  # scratch at eps 1 is not rerun
+
+
+def test_three_strategies_from_one_pretraining_in_one_table(tiny_raw, tmp_path):
+    """finetune.strategies [ht, ft, ut] end to end: one pre-training, three fine-tuning jobs,
+    one table with a strategy column; each job trained its own strategy; a fourth strategy
+    added later plans its job only (and the table), with no warning."""
+    wd = tmp_path
+    tiny_raw["tasks"] = {"syn-same": tiny_raw["tasks"]["syn-same"]}
+    tiny_raw["pretrain"]["methods"] = ["scratch"]
+    tiny_raw["finetune"].update(epsilons=[1], epochs=1, strategies=["ht", "ft", "ut"])
+    tiny_raw["tracking"] = {"enabled": False}
+    (wd / "config.yaml").write_text(yaml.safe_dump(tiny_raw))
+    r = _snakemake(wd, "results/summary/finetune.md")
+    assert r.returncode == 0, r.stderr[-3000:]
+    ran = re.findall(r"^(?:local)?rule (\w+):", r.stdout + r.stderr, flags=re.M)
+    assert sorted(ran) == ["aggregate", "finetune", "finetune", "finetune", "pretrain"], ran
+    rows = list(csv.DictReader(open(wd / "results" / "summary" / "finetune.csv")))
+    assert sorted(r["strategy"] for r in rows) == ["ft", "ht", "ut"]
+    md = (wd / "results" / "summary" / "finetune.md").read_text()
+    assert "| Algorithm | Strategy | Upstream |" in md and "| dpsgd | ut (T₁ 50%) | scratch |" in md
+    jobs = wd / "results" / "finetune" / "scratch" / "syn-same"
+    assert sorted(p.name for p in jobs.iterdir()) == ["dpsgd", "dpsgd+ht", "dpsgd+ut"]
+    for folder, strategy in (("dpsgd", "ft"), ("dpsgd+ht", "ht"), ("dpsgd+ut", "ut")):
+        m = json.loads((jobs / folder / "eps1" / "seed0" / "metrics.json").read_text())
+        assert m["hyperparameters"]["strategy"] == strategy
+        assert m["wildcards"].get("strategy") == (None if strategy == "ft" else strategy)
+        phases = [p["phase"] for p in m["privacy"]["phases"]]
+        assert phases == {"ft": ["ft"], "ht": ["ht"], "ut": ["ht", "ft"]}[strategy]
+    # ht trains the head only: fewer released coordinates than ft
+    dims = {
+        f: json.loads((jobs / f / "eps1" / "seed0" / "metrics.json").read_text())["privacy"][
+            "phases"
+        ][0]["released_dim"]
+        for f in ("dpsgd", "dpsgd+ht")
+    }
+    assert dims["dpsgd+ht"] < dims["dpsgd"]
+
+    tiny_raw["finetune"]["strategies"] = ["ht", "ft", "ut", "bitfit"]
+    (wd / "config.yaml").write_text(yaml.safe_dump(tiny_raw))
+    r = _snakemake(wd, "-n", "results/summary/finetune.md")
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = r.stdout + r.stderr
+    assert "another config" not in out
+    planned = re.findall(r"output: (results/finetune/\S+/metrics\.json)", out)
+    assert planned == ["results/finetune/scratch/syn-same/dpsgd+bitfit/eps1/seed0/metrics.json"]

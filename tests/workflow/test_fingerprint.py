@@ -111,11 +111,13 @@ def _jobs(config: dict) -> list[Wildcards]:
 
 def _newer_than_the_formulas(config: dict, stage: str, wc: Wildcards) -> bool:
     """A job that reads keys added after the hand-written formulas: an external backbone's
-    params (`pretrain.external`), per-upstream/task algorithm params (`algo_params_for`). Their
+    params (`pretrain.external`), per-upstream/task algorithm params (`algo_params_for`), the
+    strategies' axis (`finetune.strategies`: left out, `test_a_bigger_grid_reruns_...`). Their
     fingerprints are checked by the tests below instead."""
     if stage == "pretrain":
         return wc.upstream in config.get("pretrain", {}).get("external", {})
-    return stage == "finetune" and bool(config.get("finetune", {}).get("algo_params_for"))
+    ft = config.get("finetune", {})
+    return stage == "finetune" and bool(ft.get("algo_params_for") or ft.get("strategies"))
 
 
 @pytest.mark.parametrize("stage", sorted(OLD))
@@ -154,7 +156,7 @@ def _job(config: dict, **over) -> Wildcards:
     return Wildcards(fromdict={**wc, **over})
 
 
-JOBS = [{}, {"upstream": "control"}, {"upstream": "dpadapter+gamma=2"}]
+JOBS = [{}, {"upstream": "control"}, {"upstream": "dpadapter+gamma=2"}, {"algo": "dpsgd+ht"}]
 
 
 @pytest.mark.parametrize("stage", sorted(s for s in STAGES if "finetune" in STAGES[s].reads()))
@@ -211,6 +213,7 @@ GRID_CHANGES = {
     "finetune.epsilons": (_append("finetune", "epsilons"), "finetune"),
     "finetune.algorithms": (_append("finetune", "algorithms"), "finetune"),
     "finetune.extra_grids": (_append("finetune", "extra_grids"), "finetune"),
+    "finetune.strategies": (_append("finetune", "strategies"), "finetune"),
     "finetune.algo_params": (_another_algorithms_params, "finetune"),
     "pretrain.methods": (_append("pretrain", "methods"), "pretrain"),
     "pretrain.params": (_another_methods_params, "pretrain"),
@@ -295,3 +298,15 @@ def test_a_new_folder_reruns_no_finetune_job_when_an_upstream_is_added():
     assert stage_fingerprint(changed, "finetune", wc, 2) != stage_fingerprint(
         config, "finetune", wc, 2
     )
+
+
+def test_a_strategys_job_reads_its_algorithms_params():
+    """`dpsgd+ht` (finetune.strategies) is DP-SGD's job: its params rerun it, another's do not."""
+    config = _load("config.yaml")
+    wc = _job(config, algo="dpsgd+ht")
+    before = stage_fingerprint(config, "finetune", wc, 2)
+    changed = copy.deepcopy(config)
+    changed["finetune"].setdefault("algo_params", {})["dpsat"] = {"rho": 0.3}
+    assert stage_fingerprint(changed, "finetune", wc, 2) == before
+    changed["finetune"]["algo_params"]["dpsgd"] = {"some_param": 1}
+    assert stage_fingerprint(changed, "finetune", wc, 2) != before

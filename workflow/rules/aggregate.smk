@@ -1,5 +1,6 @@
 FINETUNE_METRICS = [
-    f"{RESULTS}/finetune/{u}/{t}/{a}/eps{e:g}/seed{s}/metrics.json" for u, t, a, e, s in CFG.finetune_grid()
+    f"{RESULTS}/finetune/{u}/{t}/{CFG.finetune.folder(a, st)}/eps{e:g}/seed{s}/metrics.json"
+    for u, t, a, e, s, st in CFG.finetune_grid()
 ]
 
 
@@ -27,7 +28,7 @@ rule aggregate:
         "--paired-json {output.paired} > {log} 2>&1"
 
 
-FIGURE_ALGOS = list(dict.fromkeys(a for _, _, a, _, _ in CFG.finetune_grid()))
+FIGURE_ALGOS = list(dict.fromkeys(job[2] for job in CFG.finetune_grid()))
 
 
 rule figures:

@@ -1,5 +1,8 @@
 rule finetune:
     """DP fine-tuning of one upstream checkpoint on one private task at one epsilon and seed."""
+    wildcard_constraints:
+        # its algorithm, or `algo+strategy` for a tuning strategy besides finetune.strategy
+        algo="[a-z0-9-]+(\\+(ft|ht|ut|bitfit))?",
     input:
         ckpt=f"{RESULTS}/pretrain/{{upstream}}/model.pt",
     output:

@@ -36,6 +36,7 @@ from dpadapter.settings.reference import ReferenceCell, ReferenceConfig
 from dpadapter.settings.schema import base_schema, validate_raw
 from dpadapter.settings.sections import (
     RANDOMNESS,
+    STRATEGY_SEP,
     DataConfig,
     FinetuneConfig,
     GridConfig,
@@ -47,6 +48,8 @@ from dpadapter.settings.sections import (
     SplitConfig,
     SweepConfig,
     TrackingConfig,
+    join_folder,
+    split_folder,
 )
 
 __all__ = [
@@ -54,6 +57,7 @@ __all__ = [
     "DEFAULT_METHODS",
     "MERGED_FILE",
     "RANDOMNESS",
+    "STRATEGY_SEP",
     "UNSET_KEY",
     "AuditConfig",
     "Config",
@@ -83,7 +87,9 @@ __all__ = [
     "read_chain",
     "read_files",
     "read_raw",
+    "join_folder",
     "shown_path",
+    "split_folder",
     "uses_base",
     "validate_raw",
     "write_merged",

@@ -76,10 +76,12 @@ class Config:
         """Tasks the fine-tuning grids use by default: every task not marked `grids: false`."""
         return tuple(n for n, t in self.tasks.items() if t.grids)
 
-    def finetune_grid(self) -> list[tuple[str, str, str, float, int]]:
-        """Every (upstream, task, algorithm, epsilon, seed) job, main grid first, no duplicates."""
+    def finetune_grid(self) -> list[tuple[str, str, str, float, int, str]]:
+        """Every (upstream, task, algorithm, epsilon, seed, strategy) job, main grid first, no
+        duplicates; `finetune.folder(algorithm, strategy)` is its algorithm folder."""
         ft = self.finetune
-        grids = [GridConfig(ft.algorithms, upstreams=ft.upstreams), *ft.extra_grids]
+        main = GridConfig(ft.algorithms, upstreams=ft.upstreams, strategies=ft.grid_strategies())
+        grids = [main, *ft.extra_grids]
         return union(
             *(
                 grid(
@@ -88,6 +90,7 @@ class Config:
                     g.algorithms,
                     [float(e) for e in g.epsilons or ft.epsilons],
                     [int(s) for s in g.seeds or ft.seeds],
+                    g.strategies or ft.grid_strategies(),
                 )
                 for g in grids
             )
@@ -114,10 +117,10 @@ def from_dict(raw: dict[str, Any], validate: bool = True) -> Config:
     if validate:
         validate_raw(raw)
     ft = dict(raw.get("finetune", {}))
-    ft = tuplify(ft, ("algorithms", "epsilons", "seeds", "upstreams"))
+    ft = tuplify(ft, ("algorithms", "epsilons", "seeds", "upstreams", "strategies"))
     if "epsilons" in ft:
         ft["epsilons"] = tuple(float(e) for e in ft["epsilons"])
-    grid_keys = ("algorithms", "upstreams", "tasks", "epsilons", "seeds")
+    grid_keys = ("algorithms", "upstreams", "tasks", "epsilons", "seeds", "strategies")
     ft["extra_grids"] = tuple(
         GridConfig(**tuplify(g, grid_keys)) for g in ft.get("extra_grids", ())
     )

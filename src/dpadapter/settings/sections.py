@@ -138,6 +138,7 @@ class GridConfig:
     tasks: tuple[str, ...] = ()
     epsilons: tuple[float, ...] = ()
     seeds: tuple[int, ...] = ()
+    strategies: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -189,6 +190,9 @@ class FinetuneConfig:
     algo_params: dict[str, dict[str, Any]] = field(default_factory=dict)
     algo_params_for: tuple[ParamsFor, ...] = ()
     strategy: str = "ft"  # dpadapter.strategies: ft (all), ht (head), ut (HT, FT), bitfit
+    # the tuning strategies of the main grid, an axis like epsilons (empty = `strategy` alone);
+    # `strategy`'s jobs keep the plain algorithm folder, the others' are `<algo>+<strategy>`
+    strategies: tuple[str, ...] = ()
     ut_t1_fraction: float = 0.5  # ut: share of the steps that are head-tuning
     # frozen BatchNorms' scale and shift under DP: train (per example) | freeze (models.batchnorm)
     bn_affine: str = "train"
@@ -205,6 +209,15 @@ class FinetuneConfig:
             ]
         return []
 
+    def grid_strategies(self) -> tuple[str, ...]:
+        """The main grid's strategies: `strategies`, else the one `strategy`."""
+        return self.strategies or (self.strategy,)
+
+    def folder(self, algo: str, strategy: str) -> str:
+        """A job's algorithm folder: `algo` for `strategy`, `algo+<strategy>` for the others,
+        so adding a strategy to a grid moves no finished job (`split_folder` reads it back)."""
+        return join_folder(algo, None if strategy == self.strategy else strategy)
+
     def params_of(
         self, algo: str, upstream: str | None = None, task: str | None = None
     ) -> dict[str, Any]:
@@ -214,6 +227,21 @@ class FinetuneConfig:
             if entry.applies(upstream, task):
                 out.update(entry.algo_params.get(algo, {}))
         return out
+
+
+# Between an algorithm and a tuning strategy in a fine-tuning job's folder (`dpsgd+ht`).
+STRATEGY_SEP = "+"
+
+
+def join_folder(algo: str, strategy: str | None) -> str:
+    """A job's algorithm folder: `algo`, or `algo+strategy` (None: finetune.strategy's job)."""
+    return algo if strategy is None else f"{algo}{STRATEGY_SEP}{strategy}"
+
+
+def split_folder(folder: str) -> tuple[str, str | None]:
+    """(algorithm, strategy) of a job folder; None: the config's `finetune.strategy`."""
+    algo, sep, strategy = folder.partition(STRATEGY_SEP)
+    return algo, (strategy if sep else None)
 
 
 @dataclass(frozen=True)

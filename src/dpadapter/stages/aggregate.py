@@ -7,6 +7,7 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
+from dpadapter.settings import join_folder
 from dpadapter.tables import (
     NOT_MEASURED,
     Stat,
@@ -22,6 +23,7 @@ COLUMNS = [
     "upstream",
     "task",
     "algorithm",
+    "strategy",
     "epsilon",
     "mean_accuracy",
     "std_accuracy",
@@ -36,14 +38,33 @@ def collect(paths: list[Path]) -> list[dict]:
     return rows_of([json.loads(Path(p).read_text()) for p in paths])
 
 
+def strategy_of(m: dict) -> str:
+    """The tuning strategy a job ran (`ft` for a job from before strategies were recorded)."""
+    return (m.get("hyperparameters") or {}).get("strategy") or "ft"
+
+
+def strategy_label(ms: list[dict]) -> str:
+    """A strategy as the tables name it; `ut` with its T₁, the head-tuning share of the steps."""
+    strategy = strategy_of(ms[0])
+    if strategy != "ut":
+        return strategy
+    shares = {
+        round(100 * m["hyperparameters"]["t1"] / m["privacy"]["steps"])
+        for m in ms
+        if m["privacy"].get("steps")
+    }
+    return f"ut (T₁ {'/'.join(f'{s}%' for s in sorted(shares))})" if shares else "ut"
+
+
 def rows_of(metrics: list[dict]) -> list[dict]:
     """`collect` of jobs' metrics already read."""
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for m in metrics:
         w = m["wildcards"]
-        groups[(w["upstream"], w["task"], w["algo"], float(w["eps"]))].append(m)
+        key = (w["upstream"], w["task"], w["algo"], strategy_of(m), float(w["eps"]))
+        groups[key].append(m)
     rows = []
-    for (up, task, algo, eps), ms in sorted(groups.items()):
+    for (up, task, algo, strategy, eps), ms in sorted(groups.items()):
         acc = Stat.of([m["test_accuracy"] for m in ms])
         robust = Stat.of([m["test_robust_accuracy"] for m in ms])
         seeds = [int(m["wildcards"].get("seed", -1 - i)) for i, m in enumerate(ms)]
@@ -54,6 +75,8 @@ def rows_of(metrics: list[dict]) -> list[dict]:
                 "upstream": up,
                 "task": task,
                 "algorithm": algo,
+                "strategy": strategy,
+                "_strategy_label": strategy_label(ms),
                 "epsilon": eps,
                 "mean_accuracy": acc.mean,
                 "std_accuracy": acc.std,
@@ -76,12 +99,18 @@ def rows_of(metrics: list[dict]) -> list[dict]:
     return rows
 
 
+def _key(r: dict) -> tuple[str, str]:
+    """A table row's method: (algorithm, tuning strategy)."""
+    return r["algorithm"], r.get("strategy", "ft")
+
+
 def _cells(rows: list[dict], mean: str, std: str) -> dict[tuple, str]:
-    """Flagged cells keyed by (algorithm, upstream, task, epsilon), rows of one (a, u, t)."""
+    """Flagged cells keyed by ((algorithm, strategy), upstream, task, epsilon), rows of one
+    (method, upstream, task)."""
     return {
         (*key, eps): text
         for (key, eps), text in flagged_cells(
-            ((r["algorithm"], r["upstream"], r["task"]), r["epsilon"],
+            ((_key(r), r["upstream"], r["task"]), r["epsilon"],
              Stat(r[mean], r[std], r["n_seeds"], r.get("_by_seed", {}).get(mean, ())))
             for r in rows
         ).items()
@@ -91,41 +120,52 @@ def _cells(rows: list[dict], mean: str, std: str) -> dict[tuple, str]:
 def table1_markdown(
     rows: list[dict], upstream_order: list[str], pretrain: dict[str, dict] | None = None
 ) -> str:
-    """Rows algorithm x upstream, columns task x epsilon plus the average over tasks."""
+    """Rows algorithm (x tuning strategy) x upstream, columns task x epsilon plus the average
+    over tasks. Several strategies get a Strategy column; one is named under the title."""
     tasks = sorted({r["task"] for r in rows})
     epss = sorted({r["epsilon"] for r in rows})
-    algos = list(dict.fromkeys(r["algorithm"] for r in rows))
+    methods = list(dict.fromkeys(_key(r) for r in rows))
+    labels = {_key(r): r.get("_strategy_label", r.get("strategy", "ft")) for r in rows}
+    several = len({m[1] for m in methods}) > 1
     present = list(dict.fromkeys(r["upstream"] for r in rows))
     ups = [u for u in upstream_order if u in present] + [
         u for u in present if u not in upstream_order
     ]
-    by = {(r["algorithm"], r["upstream"], r["task"], r["epsilon"]): r for r in rows}
+    by = {(_key(r), r["upstream"], r["task"], r["epsilon"]): r for r in rows}
     acc = _cells(rows, "mean_accuracy", "std_accuracy")
+    names = ["Algorithm", "Strategy", "Upstream"] if several else ["Algorithm", "Upstream"]
+
+    def label(m: tuple[str, str], u: str) -> str:
+        return " | ".join([m[0], labels[m], u] if several else [m[0], u])
+
     head = (
-        ["Algorithm", "Upstream"]
-        + [f"{t} ε={e:g}" for t in tasks for e in epss]
-        + [f"Average ε={e:g}" for e in epss]
+        names + [f"{t} ε={e:g}" for t in tasks for e in epss] + [f"Average ε={e:g}" for e in epss]
     )
     if pretrain:
         head += ["public acc", "public robust acc"]
     absent: dict[str, str] = {}
+    tuning = ""
+    if not several and methods:  # one strategy: named in the title
+        only = methods[0]
+        words = STRATEGY_WORDS.get(only[1])
+        tuning = f" by {words} ({labels[only]})" if words else f" ({labels[only]})"
     lines = [
-        "Test accuracy (%) of DP fine-tuning, mean ± std over seeds (n = seeds); Average: the "
-        "mean of the task means.",
+        f"Test accuracy (%) of DP fine-tuning{tuning}, mean ± std over seeds (n = seeds); "
+        "Average: the mean of the task means.",
         "",
         "| " + " | ".join(head) + " |",
         "|" + "---|" * len(head),
     ]
-    for a in algos:
+    for m in methods:
         for u in ups:
-            if not any((a, u, t, e) in by for t in tasks for e in epss):
+            if not any((m, u, t, e) in by for t in tasks for e in epss):
                 continue  # an algorithm run on some upstream methods only (extra grids)
             cells = []
             for t in tasks:
                 for e in epss:
-                    cells.append(acc.get((a, u, t, e), "–"))
+                    cells.append(acc.get((m, u, t, e), "–"))
             for e in epss:
-                vals = [by[(a, u, t, e)]["mean_accuracy"] for t in tasks if (a, u, t, e) in by]
+                vals = [by[(m, u, t, e)]["mean_accuracy"] for t in tasks if (m, u, t, e) in by]
                 cells.append(
                     f"{100 * statistics.fmean(vals):.1f}" if len(vals) == len(tasks) else "–"
                 )
@@ -142,13 +182,13 @@ def table1_markdown(
                         cell(Stat(p["public_test_accuracy"], 0.0, 1)),
                         cell(Stat(p["public_test_robust_accuracy"], 0.0, 1)),
                     ]
-            lines.append(f"| {a} | {u} | " + " | ".join(cells) + " |")
+            lines.append(f"| {label(m, u)} | " + " | ".join(cells) + " |")
     if absent:
         lines += ["", absence_note(absent)]
     lines += ["", how_to_read(paired=True), ""]
     rob = sorted(
-        {(r["algorithm"], r["upstream"]) for r in rows},
-        key=lambda k: (algos.index(k[0]), ups.index(k[1])),
+        {(_key(r), r["upstream"]) for r in rows},
+        key=lambda k: (methods.index(k[0]), ups.index(k[1])),
     )
     robust = _cells(rows, "mean_robust_accuracy", "std_robust_accuracy")
     lines += [
@@ -156,17 +196,23 @@ def table1_markdown(
         "mean ± std over seeds, marked as above:",
         "",
     ]
-    lines.append(
-        "| "
-        + " | ".join(["Algorithm", "Upstream"] + [f"{t} ε={e:g}" for t in tasks for e in epss])
-        + " |"
-    )
-    lines.append("|" + "---|" * (2 + len(tasks) * len(epss)))
-    for a, u in rob:
-        cells = [robust.get((a, u, t, e), "–") for t in tasks for e in epss]
-        lines.append(f"| {a} | {u} | " + " | ".join(cells) + " |")
-    lines += privacy_spent(rows, rob, tasks, epss)
+    cols = names + [f"{t} ε={e:g}" for t in tasks for e in epss]
+    lines.append("| " + " | ".join(cols) + " |")
+    lines.append("|" + "---|" * len(cols))
+    for m, u in rob:
+        cells = [robust.get((m, u, t, e), "–") for t in tasks for e in epss]
+        lines.append(f"| {label(m, u)} | " + " | ".join(cells) + " |")
+    lines += privacy_spent(rows, [(m, u, label(m, u)) for m, u in rob], names, tasks, epss)
     return "\n".join(lines) + "\n"
+
+
+# What each tuning strategy trains, for the title of a one-strategy table
+STRATEGY_WORDS = {
+    "ft": "full tuning (every weight)",
+    "ht": "head tuning (the classifier only)",
+    "ut": "unified tuning (the head only for the first T₁ of the steps, then every weight)",
+    "bitfit": "BiTFiT (the biases and the head)",
+}
 
 
 # how far below its target a job's ε may end: the calibration's own tolerance on ε
@@ -175,12 +221,16 @@ SPENT_TOLERANCE = 0.005
 UNDER = "‡"
 
 
-def privacy_spent(rows: list[dict], keys: list[tuple], tasks: list, epss: list) -> list[str]:
+def privacy_spent(
+    rows: list[dict], keys: list[tuple], names: list[str], tasks: list, epss: list
+) -> list[str]:
     """ε spent per cell (the largest over its seeds, from each job's accountant), with δ and
-    the accountant; a cell more than the calibration's tolerance below its target is marked."""
-    by = {(r["algorithm"], r["upstream"], r["task"], r["epsilon"]): r for r in rows}
+    the accountant; a cell more than the calibration's tolerance below its target is marked.
+    `keys`: (method, upstream, row label) of each row."""
+    by = {(_key(r), r["upstream"], r["task"], r["epsilon"]): r for r in rows}
     deltas = sorted({d for r in rows for d in r.get("_deltas", ())})
     accountants = sorted({a for r in rows for a in r.get("_accountants", ())})
+    cols = names + [f"{t} ε={e:g}" for t in tasks for e in epss]
     lines = [
         "",
         "ε spent (the largest over the seeds of a cell: each job's accountant over every step it "
@@ -188,23 +238,21 @@ def privacy_spent(rows: list[dict], keys: list[tuple], tasks: list, epss: list) 
         f"{', '.join(accountants) or '?'}; {UNDER} more than {SPENT_TOLERANCE} below the target "
         "(spent less than it was given):",
         "",
-        "| "
-        + " | ".join(["Algorithm", "Upstream"] + [f"{t} ε={e:g}" for t in tasks for e in epss])
-        + " |",
-        "|" + "---|" * (2 + len(tasks) * len(epss)),
+        "| " + " | ".join(cols) + " |",
+        "|" + "---|" * len(cols),
     ]
-    for a, u in keys:
+    for m, u, label in keys:
         cells = []
         for t in tasks:
             for e in epss:
-                r = by.get((a, u, t, e))
+                r = by.get((m, u, t, e))
                 spent = None if r is None else r.get("_eps_max", r.get("mean_epsilon_spent"))
                 if spent is None:
                     cells.append("–")
                     continue
                 mark = f" {UNDER}" if spent < e - SPENT_TOLERANCE else ""
                 cells.append(f"{spent:.3f}{mark}")
-        lines.append(f"| {a} | {u} | " + " | ".join(cells) + " |")
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return lines
 
 
@@ -243,7 +291,8 @@ def unverified_note(metrics: list[dict]) -> str:
         if (m.get("per_sample_check") or {}).get("verified") is False:
             w = m["wildcards"]
             seed = w.get("seed", "?")
-            jobs.append(f"{w['upstream']}/{w['task']}/{w['algo']}/eps{w['eps']}/seed{seed}")
+            algo = join_folder(w["algo"], w.get("strategy"))
+            jobs.append(f"{w['upstream']}/{w['task']}/{algo}/eps{w['eps']}/seed{seed}")
     if not jobs:
         return ""
     return (

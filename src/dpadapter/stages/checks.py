@@ -105,7 +105,7 @@ def privacy_problems(cfg: Config) -> list[str]:
             return out
     ft = cfg.finetune
     grids: dict[str, dict[float, str]] = {}
-    for _, t, _, e, _ in cfg.finetune_grid():
+    for _, t, _, e, *_ in cfg.finetune_grid():
         grids.setdefault(t, {}).setdefault(float(e), "finetune.epsilons")
     if "dpadapter" in cfg.sweeps.methods:  # the sweeps fine-tune DPAdapter's variants only
         for t in cfg.sweeps.tasks or tuple(cfg.tasks):
@@ -158,4 +158,11 @@ def reference_problems(cfg: Config) -> list[str]:
     for key in ("baseline", "improved"):
         if getattr(ref, key) not in cells:
             out.append(f"reference.{key}: {getattr(ref, key)!r} has no cell in reference.cells")
+    strategies = {job[5] for job in cfg.finetune_grid()}
+    if len(strategies) > 1:  # a published cell is one algorithm's, tuned one way
+        out.append(
+            f"finetune.strategies: the published table (reference) is compared with one tuning "
+            f"strategy's runs, and the grid has {sorted(strategies)}; keep one, or compare the "
+            "strategies in a config without reference"
+        )
     return out

@@ -11,6 +11,7 @@ the end.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from pathlib import Path
 
 from dpadapter import distributed
@@ -18,7 +19,7 @@ from dpadapter.algorithms import ALGORITHMS
 from dpadapter.data import build_splits, public_train
 from dpadapter.job import seed_everything, training_job
 from dpadapter.models import replace_head
-from dpadapter.settings import Config
+from dpadapter.settings import STRATEGY_SEP, Config, join_folder
 from dpadapter.strategies import get_strategy, released_dim
 from dpadapter.train.checkpoint import load_model, save_model
 from dpadapter.train.dp_fit import FitSettings, dp_fit, privacy_record
@@ -29,10 +30,29 @@ from dpadapter.train.resume import ResumeFile, resume_file_path
 
 
 def resume_path(cfg: Config, wildcards: dict[str, str]) -> Path:
-    """Resume state lives outside the job's outputs (Snakemake deletes those on failure)."""
-    w = wildcards
-    parts = (w["upstream"], w["task"], w["algo"], f"eps{w['eps']}", f"seed{w['seed']}")
-    return resume_file_path(cfg.results_dir, "finetune", *parts)
+    """Resume state lives outside the job's outputs (Snakemake deletes those on failure); its
+    folders are the outputs' (the algorithm's with a strategy besides finetune.strategy)."""
+    return resume_file_path(cfg.results_dir, "finetune", *job_folders(wildcards))
+
+
+def job_folders(w: dict[str, str]) -> tuple[str, ...]:
+    """The folders of a job's outputs under finetune/ (workflow/rules/finetune.smk)."""
+    algo = join_folder(w["algo"], w.get("strategy"))
+    return (w["upstream"], w["task"], algo, f"eps{w['eps']}", f"seed{w['seed']}")
+
+
+def for_strategy(cfg: Config, strategy: str | None) -> tuple[Config, dict[str, str]]:
+    """The config a job of `strategy` trains with (None: finetune.strategy's own) and what its
+    wildcards add: a strategy of the grid besides finetune.strategy is named, as in its folder."""
+    if strategy is None:
+        return cfg, {}
+    if strategy == cfg.finetune.strategy:
+        raise ValueError(
+            f"strategy {strategy!r} is finetune.strategy: its jobs are in the algorithm's own "
+            f"folder, without {STRATEGY_SEP}{strategy}"
+        )
+    get_strategy(strategy)  # an unknown name fails here, before any data is read
+    return replace(cfg, finetune=replace(cfg.finetune, strategy=strategy)), {"strategy": strategy}
 
 
 def run(
@@ -44,13 +64,17 @@ def run(
     seed: int,
     ckpt: Path,
     out_dir: Path,
+    strategy: str | None = None,
 ) -> dict:
+    """One job; `strategy`: a tuning strategy of the grid other than finetune.strategy (its
+    outputs are in `<algo>+<strategy>`, dpadapter.settings.split_folder)."""
     if algo_name not in ALGORITHMS:
         raise KeyError(f"unknown algorithm {algo_name!r}; known: {sorted(ALGORITHMS)}")
     if task not in cfg.tasks:
         raise KeyError(f"unknown task {task!r}; known: {sorted(cfg.tasks)}")
     if not math.isfinite(eps) or eps <= 0:
         raise ValueError(f"epsilon must be positive and finite, got {eps}")
+    cfg, own_strategy = for_strategy(cfg, strategy)
     seed_everything(seed)
     clock = PhaseClock()
     with clock.phase("data_and_checkpoint"):
@@ -68,6 +92,7 @@ def run(
         "algo": algo_name,
         "eps": f"{eps:g}",
         "seed": str(seed),
+        **own_strategy,
     }
     resume = ResumeFile(
         resume_path(cfg, wildcards), identity=repr((spec, cfg.finetune, cfg.privacy, str(ckpt)))
@@ -98,7 +123,7 @@ def run(
             resume=resume,
             schedule=schedule,
             val=data.val,
-            label=f"finetune {upstream}/{task}/{algo_name}/eps{eps:g}/seed{seed}",
+            label="finetune " + "/".join(job_folders(wildcards)),
             clock=clock,
         )
         with clock.phase("accountant_final"):

@@ -30,6 +30,7 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
+from dpadapter.settings import join_folder
 from dpadapter.stats import detectable_difference, paired_interval, pooled_paired
 
 # (upstream, the one it is compared with): the questions the default table asks
@@ -44,11 +45,13 @@ MORE_SEEDS = (5, 10)  # projected seed counts
 
 
 def per_seed(metrics: list[dict]) -> dict[tuple, dict[int, float]]:
-    """(upstream, task, algorithm, ε) -> {seed: test accuracy}."""
+    """(upstream, task, algorithm folder, ε) -> {seed: test accuracy}."""
     out: dict[tuple, dict[int, float]] = defaultdict(dict)
     for m in metrics:
         w = m["wildcards"]
-        key = (w["upstream"], w["task"], w["algo"], float(w["eps"]))
+        # a strategy besides finetune.strategy is compared within itself, named as its folder
+        algo = join_folder(w["algo"], w.get("strategy"))
+        key = (w["upstream"], w["task"], algo, float(w["eps"]))
         out[key][int(w.get("seed", 0))] = float(m["test_accuracy"])
     return out
 

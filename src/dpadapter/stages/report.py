@@ -19,7 +19,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
 
-from dpadapter.settings import Config
+from dpadapter.settings import Config, join_folder
 from dpadapter.tables import (
     NOT_MEASURED,
     SINGLE,
@@ -158,7 +158,8 @@ def speed_markdown(
         groups[("pretrain", model(up), up)].append(m["wall_time_s"])
     for m in _metrics(finetune):
         w = m["wildcards"]
-        groups[("finetune", model(w.get("upstream", "")), w["algo"])].append(m["wall_time_s"])
+        algo = join_folder(w["algo"], w.get("strategy"))  # a strategy's jobs apart (ht: fast)
+        groups[("finetune", model(w.get("upstream", "")), algo)].append(m["wall_time_s"])
     lines = [
         "Wall time (s) of one training job, mean ± std over the jobs of each kind (every "
         "upstream method on that backbone, task, ε and seed of that algorithm), as it ran "

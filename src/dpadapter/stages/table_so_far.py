@@ -33,9 +33,10 @@ FINISHED, CUT, NOT_RUN = "finished", "cut", "not run yet"
 RUN_COLUMNS = ["upstream", "task", "algorithm", "epsilon", "seed", "status", "epoch", "epochs"]
 
 
-def run_folder(cfg: Config, up: str, task: str, algo: str, eps: float, seed: int) -> Path:
-    """Where the `finetune` rule writes a run's outputs (workflow/rules/finetune.smk)."""
-    return Path(cfg.results_dir, "finetune", up, task, algo, f"eps{eps:g}", f"seed{seed}")
+def run_folder(cfg: Config, up: str, task: str, folder: str, eps: float, seed: int) -> Path:
+    """Where the `finetune` rule writes a run's outputs (workflow/rules/finetune.smk); `folder`
+    is the algorithm's (`FinetuneConfig.folder`)."""
+    return Path(cfg.results_dir, "finetune", up, task, folder, f"eps{eps:g}", f"seed{seed}")
 
 
 def saved_epoch(state: Path) -> int | None:
@@ -54,14 +55,16 @@ def saved_epoch(state: Path) -> int | None:
 def runs(cfg: Config) -> list[dict]:
     """Every run of the fine-tuning grid with its status (and the epochs a cut one holds)."""
     out = []
-    for up, task, algo, eps, seed in cfg.finetune_grid():
-        metrics = run_folder(cfg, up, task, algo, eps, seed) / "metrics.json"
-        row = {"upstream": up, "task": task, "algorithm": algo, "epsilon": eps, "seed": seed,
-               "epochs": cfg.finetune.epochs, "epoch": None, "metrics": metrics}  # fmt: skip
+    for up, task, algo, eps, seed, strategy in cfg.finetune_grid():
+        folder = cfg.finetune.folder(algo, strategy)
+        metrics = run_folder(cfg, up, task, folder, eps, seed) / "metrics.json"
+        row = {"upstream": up, "task": task, "algorithm": algo, "strategy": strategy,
+               "epsilon": eps, "seed": seed, "epochs": cfg.finetune.epochs, "epoch": None,
+               "metrics": metrics}  # fmt: skip
         if metrics.is_file():
             row["status"] = FINISHED
         else:
-            parts = (up, task, algo, f"eps{eps:g}", f"seed{seed}")
+            parts = (up, task, folder, f"eps{eps:g}", f"seed{seed}")
             row["epoch"] = saved_epoch(resume_file_path(cfg.results_dir, "finetune", *parts))
             row["status"] = NOT_RUN if row["epoch"] is None else CUT
         out.append(row)

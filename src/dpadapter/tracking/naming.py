@@ -79,6 +79,7 @@ DP_PARAMS = {
     "sample_rate": (("privacy", "sample_rate"), ("hyperparameters", "sample_rate")),
     "steps": (("privacy", "steps"),),
     "algorithm": (("hyperparameters", "algorithm"), ("wildcards", "algo")),
+    "strategy": (("hyperparameters", "strategy"), ("wildcards", "strategy")),
     "upstream": (("wildcards", "upstream"), ("hyperparameters", "upstream")),
     "task": (("wildcards", "task"), ("hyperparameters", "task")),
     "seed": (("hyperparameters", "seed"), ("wildcards", "seed")),
@@ -126,7 +127,8 @@ DP_VIEW = "dp-runs"
 _VIEW_METRICS = ("epsilon_spent", "test_accuracy", "val_accuracy", "test_robust_accuracy")
 # ε spent beside its target, δ and the accountant that computed it (issue 50), then the rest
 _VIEW_PARAMS = (
-    "target_epsilon delta accountant noise_multiplier max_grad_norm sample_rate steps algorithm"
+    "target_epsilon delta accountant noise_multiplier max_grad_norm sample_rate steps algorithm "
+    "strategy"
 )
 _DP_COLUMNS = [f"metrics.`{m}`" for m in _VIEW_METRICS] + [
     f"params.`{p}`" for p in (_VIEW_PARAMS + " upstream task seed").split()
