@@ -38,6 +38,32 @@ def _client(tmp_path: Path):
     return MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlruns.db'}")
 
 
+def test_system_metrics_are_sampled_into_a_gpu_jobs_run_and_on_request(
+    tiny_cfg, tmp_path, monkeypatch
+):
+    """Issue 47: a user sees a starved GPU in the runs table, without a profiler. `auto` samples
+    the machine's use into the runs of jobs on CUDA only (none here: this job is on the CPU);
+    `true` into every job's run (MLflow's monitor: CPU, memory, and the GPU's with
+    nvidia-ml-py where a GPU answers)."""
+    monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "0.2")
+    pretrain.run(tiny_cfg, "scratch", tmp_path / "pre", None)
+    ckpt = tmp_path / "pre" / "model.pt"
+    finetune.run(tiny_cfg, "scratch", "syn-shift", "dpsgd", 2.0, 0, ckpt, tmp_path / "a")
+    on = dataclasses.replace(
+        tiny_cfg, tracking=dataclasses.replace(tiny_cfg.tracking, system_metrics=True)
+    )
+    finetune.run(on, "scratch", "syn-shift", "dpsgd", 4.0, 0, ckpt, tmp_path / "b")
+    client = _client(tmp_path)
+    exp = client.get_experiment_by_name(tiny_cfg.tracking.experiment)
+    runs = client.search_runs([exp.experiment_id], filter_string="tags.stage = 'finetune'")
+    system = {r.data.tags["epsilon"]: {k for k in r.data.metrics if k.startswith("system/")}
+              for r in runs}  # fmt: skip
+    assert system["2"] == set()
+    assert {"system/cpu_utilization_percentage", "system/system_memory_usage_megabytes"} <= (
+        system["4"]
+    ), system["4"]
+
+
 def test_a_strategys_job_is_its_own_run_and_folder(tiny_cfg, tmp_path):
     """A job of finetune.strategies other than finetune.strategy (`--algo dpsgd+ht`): its
     strategy is in the run's name, tags and DP columns, in its resume folder and in what it

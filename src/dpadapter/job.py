@@ -94,6 +94,7 @@ def training_job(
         run_id=resume_run_id,
         results_dir=cfg.results_dir,
         parent=parent_run_id or (job.group, job.group_name),
+        on_cuda=dev.type == "cuda",
     ) as run:
         run.set_tags({f"device.{k}": v for k, v in metrics["device"].items()})
         # What the wildcards fix before training (a killed run shows it too); the rest after.

@@ -251,6 +251,9 @@ class TrackingConfig:
     # "auto": on where mlflow imports and the store answers, else the job runs untracked and
     # says so once; True: either missing is an error before training; False: mlflow unused.
     enabled: bool | str = "auto"
+    # MLflow's system metrics on a training job's run (CPU and GPU utilisation, memory, over
+    # time): "auto" on jobs that run on CUDA, where a starved GPU is what to see; True: every job
+    system_metrics: bool | str = "auto"
 
 
 @dataclass(frozen=True)

@@ -109,10 +109,12 @@ def open_run(
     run_id: str | None,
     parent: str | tuple[str, str] | None,
     uri: str,
+    system_metrics: bool = False,
 ):
     """Start (or resume) the run: the job's own run, nested under `parent` (a run id, or a
     group's (key, name) whose run is found or made). A new run in a slot that already has runs
-    is numbered and marks the runs it replaces (dpadapter.reruns); a resumed one is not."""
+    is numbered and marks the runs it replaces (dpadapter.reruns); a resumed one is not.
+    `system_metrics`: MLflow samples the machine's utilisation into the run until it ends."""
     import mlflow
     from mlflow.exceptions import MlflowException
 
@@ -124,7 +126,7 @@ def open_run(
     end_dead_runs(exp_id)
     me = {PID_TAG: process_id(os.getpid()) or "", HOST_TAG: socket.gethostname()}
     if run_id is not None:
-        run = mlflow.start_run(run_id=run_id)
+        run = mlflow.start_run(run_id=run_id, log_system_metrics=system_metrics)
         end_stale_runs(exp_id, run.data.tags.get(JOB_TAG, run_name), keep=run_id)
         mlflow.set_tags(me)  # the resumed run's process is this one now
         return run
@@ -137,6 +139,8 @@ def open_run(
         tags["mlflow.parentRunId"] = parent
     end_stale_runs(exp_id, tags[JOB_TAG])
     run_name, tags, earlier = number(mlflow.MlflowClient(), exp_id, run_name, tags)
-    run = mlflow.start_run(experiment_id=exp_id, run_name=run_name, tags=tags)
+    run = mlflow.start_run(
+        experiment_id=exp_id, run_name=run_name, tags=tags, log_system_metrics=system_metrics
+    )
     mark_replaced(mlflow.MlflowClient(), earlier, run.info.run_id)
     return run

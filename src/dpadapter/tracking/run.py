@@ -135,10 +135,12 @@ def start_run(
     run_id: str | None = None,
     results_dir: str | Path | None = None,
     parent: str | tuple[str, str] | None = None,
+    on_cuda: bool = False,
 ) -> Iterator[Run]:
     """A new run, or the run of an interrupted job being resumed (its metrics continue).
 
-    Yields an off Run when tracking is off; a run that cannot start under `auto` is off too."""
+    Yields an off Run when tracking is off; a run that cannot start under `auto` is off too.
+    `on_cuda`: the job trains on a GPU (`tracking.system_metrics: auto` samples its use)."""
     exp_id = experiment(cfg, results_dir)
     strict = cfg.enabled is True
     with _failed_on_sigterm():
@@ -148,7 +150,9 @@ def start_run(
 
             try:
                 uri = resolve_uri(cfg, results_dir)
-                handle = Run(mlflow, open_run(exp_id, run_name, tags, run_id, parent, uri), strict)
+                system = cfg.system_metrics is True or (cfg.system_metrics == "auto" and on_cuda)
+                run = open_run(exp_id, run_name, tags, run_id, parent, uri, system)
+                handle = Run(mlflow, run, strict)
             except Exception as exc:
                 if strict:
                     raise
