@@ -38,30 +38,35 @@ def _client(tmp_path: Path):
     return MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlruns.db'}")
 
 
-def test_system_metrics_are_sampled_into_a_gpu_jobs_run_and_on_request(
+def test_system_metrics_are_sampled_into_a_run_on_request_and_on_gpu_jobs(
     tiny_cfg, tmp_path, monkeypatch
 ):
-    """Issue 47: a user sees a starved GPU in the runs table, without a profiler. `auto` samples
-    the machine's use into the runs of jobs on CUDA only (none here: this job is on the CPU);
-    `true` into every job's run (MLflow's monitor: CPU, memory, and the GPU's with
-    nvidia-ml-py where a GPU answers)."""
+    """Issue 47: a user sees a starved GPU in the runs table, without a profiler. `true` samples
+    the machine's use into every training job's run (MLflow's monitor: CPU, memory, and the
+    GPU's with nvidia-ml-py where a GPU answers); `auto` into the runs of jobs on CUDA only
+    (none on the CPU: test_finetune_run_has_the_dp_columns_and_the_config_identity)."""
     monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "0.2")
-    pretrain.run(tiny_cfg, "scratch", tmp_path / "pre", None)
-    ckpt = tmp_path / "pre" / "model.pt"
-    finetune.run(tiny_cfg, "scratch", "syn-shift", "dpsgd", 2.0, 0, ckpt, tmp_path / "a")
     on = dataclasses.replace(
         tiny_cfg, tracking=dataclasses.replace(tiny_cfg.tracking, system_metrics=True)
     )
-    finetune.run(on, "scratch", "syn-shift", "dpsgd", 4.0, 0, ckpt, tmp_path / "b")
+    pretrain.run(on, "scratch", tmp_path / "pre", None)
     client = _client(tmp_path)
     exp = client.get_experiment_by_name(tiny_cfg.tracking.experiment)
-    runs = client.search_runs([exp.experiment_id], filter_string="tags.stage = 'finetune'")
-    system = {r.data.tags["epsilon"]: {k for k in r.data.metrics if k.startswith("system/")}
-              for r in runs}  # fmt: skip
-    assert system["2"] == set()
+    (run,) = client.search_runs([exp.experiment_id], filter_string="tags.stage = 'pretrain'")
+    system = {k for k in run.data.metrics if k.startswith("system/")}
     assert {"system/cpu_utilization_percentage", "system/system_memory_usage_megabytes"} <= (
-        system["4"]
-    ), system["4"]
+        system
+    ), system
+
+
+@pytest.mark.parametrize(
+    ("setting", "on_cuda", "samples"),
+    [("auto", True, True), ("auto", False, False), (True, False, True), (False, True, False)],
+)
+def test_system_metrics_follow_the_setting_and_the_jobs_device(setting, on_cuda, samples):
+    from dpadapter.tracking.run import samples_system
+
+    assert samples_system(TrackingConfig(system_metrics=setting), on_cuda) is samples
 
 
 def test_a_strategys_job_is_its_own_run_and_folder(tiny_cfg, tmp_path):
@@ -108,6 +113,8 @@ def test_finetune_run_has_the_dp_columns_and_the_config_identity(tiny_cfg, tmp_p
     }  # fmt: skip
     params = run.data.params
     assert DP_PARAMS <= set(params), sorted(DP_PARAMS - set(params))
+    # tracking.system_metrics: auto samples jobs on CUDA only
+    assert not [k for k in run.data.metrics if k.startswith("system/")]
     p = m["privacy"]
     assert float(params["target_epsilon"]) == 2.0
     assert float(params["delta"]) == p["delta"] and params["accountant"] == p["accountant"]

@@ -127,6 +127,11 @@ def _failed_on_sigterm() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
+def samples_system(cfg: TrackingConfig, on_cuda: bool) -> bool:
+    """Whether a job's run gets MLflow's system metrics (`tracking.system_metrics`)."""
+    return cfg.system_metrics is True or (cfg.system_metrics == "auto" and on_cuda)
+
+
 @contextlib.contextmanager
 def start_run(
     cfg: TrackingConfig,
@@ -150,7 +155,7 @@ def start_run(
 
             try:
                 uri = resolve_uri(cfg, results_dir)
-                system = cfg.system_metrics is True or (cfg.system_metrics == "auto" and on_cuda)
+                system = samples_system(cfg, on_cuda)
                 run = open_run(exp_id, run_name, tags, run_id, parent, uri, system)
                 handle = Run(mlflow, run, strict)
             except Exception as exc:
