@@ -110,10 +110,12 @@ def test_strategies_are_a_column_and_one_strategy_is_named_in_the_title(tmp_path
     assert table[0].startswith("| Algorithm | Strategy | Upstream | a ε=1")
     labels = [tuple(c.strip() for c in ln.split("|")[1:4]) for ln in table[1:4]]
     assert labels == [("dpsgd", "ft", "standard"), ("dpsgd", "ht", "standard"),
-                      ("dpsgd", "ut (T₁ 50%)", "standard")]  # fmt: skip
+                      ("dpsgd", "ut, T₁ 50%", "standard")]  # fmt: skip
     # the ε-spent table has the same rows, one per strategy
     spent = md[md.index("ε spent") :].splitlines()
     assert sum(ln.startswith("| dpsgd | ") for ln in spent) == 3
     one = aggregate.table1_markdown(aggregate.collect(paths[2:4]), ["standard"])
-    assert one.startswith("Test accuracy (%) of DP fine-tuning by full tuning (every weight) (ft)")
+    assert one.startswith(
+        "Test accuracy (%) of DP fine-tuning, tuning strategy ft (full tuning: every weight)"
+    )
     assert "| Algorithm | Upstream |" in one and "Strategy" not in one

@@ -223,7 +223,7 @@ def test_three_strategies_from_one_pretraining_in_one_table(tiny_raw, tmp_path):
     rows = list(csv.DictReader(open(wd / "results" / "summary" / "finetune.csv")))
     assert sorted(r["strategy"] for r in rows) == ["ft", "ht", "ut"]
     md = (wd / "results" / "summary" / "finetune.md").read_text()
-    assert "| Algorithm | Strategy | Upstream |" in md and "| dpsgd | ut (T₁ 50%) | scratch |" in md
+    assert "| Algorithm | Strategy | Upstream |" in md and "| dpsgd | ut, T₁ 50% | scratch |" in md
     jobs = wd / "results" / "finetune" / "scratch" / "syn-same"
     assert sorted(p.name for p in jobs.iterdir()) == ["dpsgd", "dpsgd+ht", "dpsgd+ut"]
     for folder, strategy in (("dpsgd", "ft"), ("dpsgd+ht", "ht"), ("dpsgd+ut", "ut")):

@@ -53,7 +53,7 @@ def strategy_label(ms: list[dict]) -> str:
         for m in ms
         if m["privacy"].get("steps")
     }
-    return f"ut (T₁ {'/'.join(f'{s}%' for s in sorted(shares))})" if shares else "ut"
+    return f"ut, T₁ {'/'.join(f'{s}%' for s in sorted(shares))}" if shares else "ut"
 
 
 def rows_of(metrics: list[dict]) -> list[dict]:
@@ -148,7 +148,7 @@ def table1_markdown(
     if not several and methods:  # one strategy: named in the title
         only = methods[0]
         words = STRATEGY_WORDS.get(only[1])
-        tuning = f" by {words} ({labels[only]})" if words else f" ({labels[only]})"
+        tuning = f", tuning strategy {labels[only]}" + (f" ({words})" if words else "")
     lines = [
         f"Test accuracy (%) of DP fine-tuning{tuning}, mean ± std over seeds (n = seeds); "
         "Average: the mean of the task means.",
@@ -208,10 +208,10 @@ def table1_markdown(
 
 # What each tuning strategy trains, for the title of a one-strategy table
 STRATEGY_WORDS = {
-    "ft": "full tuning (every weight)",
-    "ht": "head tuning (the classifier only)",
-    "ut": "unified tuning (the head only for the first T₁ of the steps, then every weight)",
-    "bitfit": "BiTFiT (the biases and the head)",
+    "ft": "full tuning: every weight",
+    "ht": "head tuning: the classifier only",
+    "ut": "unified tuning: the head only for the first T₁ of the steps, then every weight",
+    "bitfit": "BiTFiT: the biases and the head",
 }
 
 
