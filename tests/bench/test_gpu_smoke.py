@@ -44,10 +44,11 @@ def test_a_correct_run_passes_every_check(smoke, cfg):
 
 
 def test_noise_check_sees_too_little_noise(smoke, cfg, monkeypatch):
-    import opacus.optimizers.optimizer as opt_mod
+    # the draw the DP optimizers' noise phase makes (per_sample.optimizers.FusedRelease)
+    import dpadapter.per_sample.optimizers as opt_mod
 
-    real = opt_mod._generate_noise
-    monkeypatch.setattr(opt_mod, "_generate_noise", lambda std, *a, **k: real(std / 2, *a, **k))
+    real = opt_mod.gaussian_noise
+    monkeypatch.setattr(opt_mod, "gaussian_noise", lambda std, *a, **k: real(std / 2, *a, **k))
     assert "noise" in _check(smoke, cfg)["failures"]
 
 

@@ -59,3 +59,36 @@ def test_the_rules_table_covers_the_supported_layers():
     assert closed_form(nn.Linear(2, 2)) and not closed_form(OwnForward(2, 2))
     assert not closed_form(nn.Conv2d(1, 1, 3, padding="same"))
     assert not closed_form(nn.Conv2d(1, 1, 3, padding=1, padding_mode="reflect"))
+
+
+@pytest.mark.parametrize("secret", [False, True])
+@pytest.mark.parametrize("mode", ["bk", "hooks"])
+def test_the_fused_release_is_opacus_release_to_the_bit(mode, secret):
+    """Issue 47: the noise and scaling phases in one `torch._foreach` call each (`FusedRelease`)
+    give Opacus' per-tensor release exactly: the same noise draws from the same generator,
+    the same sums and divisions. A secret generator still draws from the OS (one release then
+    differs from another, as it must)."""
+    from dpadapter.per_sample.optimizers import FusedRelease
+    from dpadapter.privacy import randomness
+
+    randomness.install()
+    grads = {}
+    for fused in (True, False):
+        wrapped = wrap_for_dp(_model(), mode)
+        opt = dp_sgd(wrapped, 1.0, 3, lr=0.1, noise=1.0)  # 3: no exact reciprocal
+        if secret:
+            opt.generator = randomness.secret_generator()
+        else:
+            opt.generator = torch.Generator().manual_seed(7)
+        assert isinstance(opt, FusedRelease)
+        if not fused:  # Opacus' own phases on the same optimizer
+            opt.add_noise = lambda o=opt: DPOptimizer.add_noise(o)
+            opt.scale_grad = lambda o=opt: DPOptimizer.scale_grad(o)
+        g = torch.Generator().manual_seed(1)
+        x, y = torch.randn(4, 6, generator=g), torch.randint(0, 3, (4,), generator=g)
+        nn.functional.cross_entropy(wrapped(x), y).backward()
+        opt.pre_step()
+        grads[fused] = [p.grad.clone() for p in wrapped.parameters()]
+    same = all(torch.equal(a, b) for a, b in zip(grads[True], grads[False], strict=True))
+    assert same is not secret
+    assert all(g.abs().sum() > 0 for g in grads[True])  # noise was drawn (sigma 1)

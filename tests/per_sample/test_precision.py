@@ -129,6 +129,16 @@ def test_noise_and_summed_grad_are_fp32_under_bf16(tiny_cfg, monkeypatch):
         return noise
 
     monkeypatch.setattr(opacus_optimizer, "_generate_noise", spy)
+    # the fused release (per_sample.optimizers.FusedRelease) draws through privacy.randomness
+    from dpadapter.per_sample import optimizers as fused
+    from dpadapter.privacy.randomness import gaussian_noise
+
+    def fused_spy(std, reference, generator=None, secure_mode=False):
+        noise = gaussian_noise(std, reference, generator=generator, secure_mode=secure_mode)
+        drawn.append((reference.dtype, noise.dtype))
+        return noise
+
+    monkeypatch.setattr(fused, "gaussian_noise", fused_spy)
     audits = []
     real_init = DPAlgorithm.__init__
 

@@ -170,3 +170,17 @@ def test_the_os_draws_have_the_laws_the_accountant_assumes():
     sel = randomness.OSSelectionRandom()
     assert stats.kstest(sel.gumbel(n), "gumbel_r").pvalue > 1e-4
     assert stats.kstest(sel.normal(1.0, 2.0, n), "norm", args=(1.0, 2.0)).pvalue > 1e-4
+
+
+@pytest.mark.parametrize("std", [0.0, 0.7, 3.0])
+def test_a_seeded_draw_is_opacus_draw_to_the_bit(std):
+    """Seeded noise comes from the same generator calls as Opacus' `_generate_noise` (which
+    allocates a buffer of zeros first and returns it only at std 0): the same values."""
+    from opacus.optimizers.optimizer import _generate_noise
+
+    opacus = randomness._opacus_noise() if randomness._OPACUS_NOISE else _generate_noise
+    for shape in [(7,), (33, 5), (2, 3, 3, 3)]:
+        ref = torch.empty(shape)
+        ours = randomness.gaussian_noise(std, ref, torch.Generator().manual_seed(3))
+        theirs = opacus(std=std, reference=ref, generator=torch.Generator().manual_seed(3))
+        assert torch.equal(ours, theirs) and ours.dtype == theirs.dtype

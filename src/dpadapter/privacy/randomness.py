@@ -102,9 +102,16 @@ def _tensor(values: np.ndarray, shape, like: torch.Tensor) -> torch.Tensor:
 def gaussian_noise(std: float, reference: torch.Tensor, generator=None, secure_mode: bool = False):
     """N(0, std^2) shaped like `reference`: Opacus' `_generate_noise` for a seeded generator."""
     if not is_secret(generator):
-        return _opacus_noise()(
-            std=std, reference=reference, generator=generator, secure_mode=secure_mode
-        )
+        if std == 0 or secure_mode:
+            return _opacus_noise()(
+                std=std, reference=reference, generator=generator, secure_mode=secure_mode
+            )
+        # Opacus' own draw, without the buffer of zeros it allocates first and returns only for
+        # std 0: one kernel fewer per parameter tensor, the same values (issue 47)
+        return torch.normal(
+            mean=0, std=std, size=reference.shape, device=reference.device,
+            generator=generator, dtype=reference.dtype,
+        )  # fmt: skip
     if std == 0:
         return torch.zeros(reference.shape, device=reference.device, dtype=reference.dtype)
     z = os_normal(reference.numel()) * std
