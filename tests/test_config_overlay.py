@@ -7,6 +7,7 @@ results, and every shipped config in configs/ loading, merging and validating.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import subprocess
@@ -212,9 +213,26 @@ def test_every_shipped_config_loads_merges_and_validates(path):
 
 
 def test_overlays_own_their_results_folder():
-    """An overlay that forgot `results_dir` would write into its base's results."""
-    dirs = {p.name: read_raw(p)["results_dir"] for p in [REPO / "config.yaml", *SHIPPED]}
-    assert len(set(dirs.values())) == len(dirs), dirs
+    """An overlay that forgot `results_dir` would write into its base's results. Configs that
+    share a folder on purpose (configs/strategies.yaml: the default grid under three tuning
+    strategies, beside the default run's jobs) must be one experiment: they differ only in
+    which jobs exist, so `identity.check` lets them share it and no job of one reruns another's."""
+    from dpadapter.identity import differences, sections
+
+    by_dir: dict[str, list[Path]] = {}
+    for p in [REPO / "config.yaml", *SHIPPED]:
+        by_dir.setdefault(read_raw(p)["results_dir"], []).append(p)
+    shared = {d: [p.name for p in ps] for d, ps in by_dir.items() if len(ps) > 1}
+    assert shared == {"results": ["config.yaml", "strategies.yaml"]}, shared
+    for ps in by_dir.values():
+        first = load(ps[0])
+        for p in ps[1:]:
+            names, lines = differences({"sections": sections(first)}, load(p))
+            assert names == [], (p.name, lines)
+    # the guard holds: an overlay that changes a setting in a shared folder is caught
+    cfg = load(REPO / "configs" / "strategies.yaml")
+    lr = dataclasses.replace(cfg, finetune=dataclasses.replace(cfg.finetune, lr=0.123))
+    assert differences({"sections": sections(load(REPO / "config.yaml"))}, lr)[0] == ["finetune"]
 
 
 def _snakemake(workdir: Path, configfile: Path, *args: str) -> subprocess.CompletedProcess:

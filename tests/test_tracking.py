@@ -43,20 +43,25 @@ def test_system_metrics_are_sampled_into_a_run_on_request_and_on_gpu_jobs(
 ):
     """Issue 47: a user sees a starved GPU in the runs table, without a profiler. `true` samples
     the machine's use into every training job's run (MLflow's monitor: CPU, memory, and the
-    GPU's with nvidia-ml-py where a GPU answers); `auto` into the runs of jobs on CUDA only
-    (none on the CPU: test_finetune_run_has_the_dp_columns_and_the_config_identity)."""
-    monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "0.2")
+    GPU's with nvidia-ml-py where a GPU answers); `auto` into the runs of jobs on CUDA only,
+    so none into this pre-training job's on the CPU. The fine-tuning job lasts seconds, many
+    times the sampling interval (the monitor logs nothing from a job shorter than one)."""
+    monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "0.1")
+    pretrain.run(tiny_cfg, "scratch", tmp_path / "pre", None)
     on = dataclasses.replace(
         tiny_cfg, tracking=dataclasses.replace(tiny_cfg.tracking, system_metrics=True)
     )
-    pretrain.run(on, "scratch", tmp_path / "pre", None)
+    ckpt = tmp_path / "pre" / "model.pt"
+    finetune.run(on, "scratch", "syn-shift", "dpsgd", 2.0, 0, ckpt, tmp_path / "ft")
     client = _client(tmp_path)
     exp = client.get_experiment_by_name(tiny_cfg.tracking.experiment)
-    (run,) = client.search_runs([exp.experiment_id], filter_string="tags.stage = 'pretrain'")
-    system = {k for k in run.data.metrics if k.startswith("system/")}
-    assert {"system/cpu_utilization_percentage", "system/system_memory_usage_megabytes"} <= (
-        system
-    ), system
+    system = {
+        r.data.tags["stage"]: {k for k in r.data.metrics if k.startswith("system/")}
+        for r in client.search_runs([exp.experiment_id], filter_string="tags.stage != ''")
+    }
+    assert system["pretrain"] == set()
+    want = {"system/cpu_utilization_percentage", "system/system_memory_usage_megabytes"}
+    assert want <= system["finetune"], system
 
 
 @pytest.mark.parametrize(

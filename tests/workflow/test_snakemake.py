@@ -60,10 +60,11 @@ def test_pipeline_end_to_end_on_tiny_config(tiny_run):
     wd, r = tiny_run
     assert r.returncode == 0, r.stderr[-3000:]
     rows = list(csv.DictReader(open(wd / "results/summary/finetune.csv")))
-    assert list(rows[0])[:7] == [
+    assert list(rows[0])[:8] == [
         "upstream",
         "task",
         "algorithm",
+        "strategy",
         "epsilon",
         "mean_accuracy",
         "std_accuracy",
