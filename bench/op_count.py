@@ -42,6 +42,10 @@ MODES = ("nonprivate", "bk", "hooks", "ghost")
 DEFAULT_MODELS = ("gnresnet10", "resnet20-gn")
 # allocate without computing: no kernel on a GPU (the caching allocator hands memory out)
 ALLOCATIONS = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"}
+# ops that make a GPU wait for the host to read a value (`.item()`, `float()`, `bool()` on a
+# tensor dispatch to `_local_scalar_dense`) or whose output's size depends on the data: each is
+# a host-device synchronisation inside the step (the CPU proxy of set_sync_debug_mode's count)
+SYNCS = {"_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique2", "unique_dim"}
 
 
 class OpCounter(TorchDispatchMode):
@@ -93,6 +97,7 @@ def count_model(name: str, modes: list[str], batch: int, tiny: bool) -> dict:
         c = count_step(runner, x, y)
         out["modes"][mode] = {
             "ops": sum(c.ops.values()),
+            "host_syncs": sum(v for k, v in c.ops.items() if k in SYNCS),
             "views_and_allocations": sum(c.views.values()),
             "bytes_allocated": c.bytes,
             "by_op": dict(c.ops.most_common()),
@@ -108,8 +113,8 @@ def markdown(report: dict, top: int) -> str:
         f"Dispatched ops of one eager training step ({report['device']}, torch "
         f"{report['torch']}; views and empty allocations left out; bench/op_count.py)",
         "",
-        "| model | batch | mode | ops | × non-private | MiB allocated | top ops |",
-        "|---|---|---|---|---|---|---|",
+        "| model | batch | mode | ops | × non-private | host syncs | MiB allocated | top ops |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in report["results"]:
         for mode, m in r["modes"].items():
@@ -117,7 +122,7 @@ def markdown(report: dict, top: int) -> str:
             ratio = "" if m["ratio"] is None else f"{m['ratio']:.2f}"
             lines.append(
                 f"| {r['model']} | {r['batch']} | {mode} | {m['ops']} | {ratio} | "
-                f"{m['bytes_allocated'] / 2**20:.1f} | {tops} |"
+                f"{m['host_syncs']} | {m['bytes_allocated'] / 2**20:.1f} | {tops} |"
             )
     return "\n".join(lines) + "\n"
 

@@ -295,8 +295,13 @@ class DPAlgorithm:
     def before_gradient(self, model: nn.Module, loss_fn, first: bool) -> None:
         """Runs before each physical batch's gradient; `first`: opens a logical batch."""
 
-    def train_step(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn) -> float:
-        """One physical batch; the optimizer skips the update until the logical batch ends."""
+    def train_step(
+        self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn
+    ) -> torch.Tensor | float:
+        """One physical batch; the optimizer skips the update until the logical batch ends.
+        Returns the batch's loss as a detached tensor where the step ran (reading its value
+        would make a GPU wait for it at every step: `dp_fit` sums it on the device) and 0.0
+        for an empty batch."""
         assert self.optimizer is not None
         self.optimizer.zero_grad(set_to_none=True)
         first = not self._logical_batch_open
@@ -306,7 +311,7 @@ class DPAlgorithm:
             return self.empty_step(model)
         loss = self._gradient(model, x, y, loss_fn)
         self.optimizer.step()
-        return float(loss.detach())
+        return loss.detach()
 
     def _gradient(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn):
         """Forward and backward of the training loss on one physical batch (returns the loss)

@@ -64,14 +64,16 @@ class DPSAM(DPAlgorithm):
             p.grad_sample = None
             p.grad = None
 
-    def train_step(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn) -> float:
+    def train_step(
+        self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn
+    ) -> torch.Tensor | float:
         opt = self.optimizer
         assert opt is not None
         opt.zero_grad(set_to_none=True)
         last = self._ends_logical_batch()
-        loss = 0.0
+        loss: torch.Tensor | float = 0.0
         if len(y):
-            loss = float(self._gradient(model, x, y, loss_fn).detach())
+            loss = self._gradient(model, x, y, loss_fn).detach()
             self._kept.append((x, y))
         else:
             self._set_empty_grad_samples()

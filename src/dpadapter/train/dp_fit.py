@@ -241,22 +241,26 @@ def dp_fit(
         if max_steps is not None and ledger.steps >= max_steps:
             break
         algo.start_epoch(epoch)
-        total, n = 0.0, 0
+        # The epoch's loss is summed where the steps run, in float64 as a Python sum would be:
+        # reading a step's loss would make a GPU wait for it at every step (issue 47).
+        total: torch.Tensor | float = 0.0
+        n: torch.Tensor | int = 0
         steps_started = time.perf_counter()
         for x, y in progress(loader, desc=f"{algo_name} epoch {epoch + 1}/{spec.epochs}"):
             loss = algo.train_step(gsm, x, y, loss_fn)
             if schedule is not None:
                 apply_phase(model, schedule.phase(ledger.steps))
             if len(y):
-                total += loss * len(y)  # padded rows add zero loss but count in len(y)
-                n += int((y != PAD_LABEL).sum()) if pad is not None else len(y)
+                # padded rows add zero loss but count in len(y)
+                total = total + torch.as_tensor(loss, dtype=torch.float64) * len(y)
+                n = n + ((y != PAD_LABEL).sum() if pad is not None else len(y))
             if max_steps is not None and ledger.steps >= max_steps:
                 break
             report.step(ledger.steps, loss)
         clock.add("private_steps", time.perf_counter() - steps_started)
         with clock.phase("accountant_per_epoch"):
             stats = {
-                "train_loss": total / max(1, n),
+                "train_loss": float(total) / max(1, int(n)),
                 "steps": ledger.steps,
                 "epsilon_spent": ledger.epsilon(),
                 "noise_multiplier": algo.noise_multiplier(epoch),
