@@ -7,6 +7,7 @@ import pytest
 import torch
 from noiseless import dp_sgd  # tests/ is on sys.path
 from opacus.optimizers import DPOptimizer
+from opacus.optimizers import optimizer as opacus_optimizer
 from torch import nn
 
 from dpadapter.algorithms.adpclip import CentredAdaClipOptimizer
@@ -63,11 +64,13 @@ def test_the_rules_table_covers_the_supported_layers():
 
 @pytest.mark.parametrize("secret", [False, True])
 @pytest.mark.parametrize("mode", ["bk", "hooks"])
-def test_the_fused_release_is_opacus_release_to_the_bit(mode, secret):
+def test_the_fused_release_is_opacus_release_with_one_flat_draw(mode, secret):
     """Issue 47: the noise and scaling phases in one `torch._foreach` call each (`FusedRelease`)
-    give Opacus' per-tensor release exactly: the same noise draws from the same generator,
-    the same sums and divisions. A secret generator still draws from the OS (one release then
-    differs from another, as it must)."""
+    give Opacus' release to the bit when Opacus' per-tensor draws are replaced by one flat draw
+    from the same generator cut into the tensors (`flat_noise`): the same sums and divisions,
+    the noise from the run's generator. A secret generator still draws from the OS (one release
+    then differs from another, as it must)."""
+    from dpadapter.per_sample import optimizers
     from dpadapter.per_sample.optimizers import FusedRelease
     from dpadapter.privacy import randomness
 
@@ -81,8 +84,26 @@ def test_the_fused_release_is_opacus_release_to_the_bit(mode, secret):
         else:
             opt.generator = torch.Generator().manual_seed(7)
         assert isinstance(opt, FusedRelease)
-        if not fused:  # Opacus' own phases on the same optimizer
-            opt.add_noise = lambda o=opt: DPOptimizer.add_noise(o)
+        if not fused:  # Opacus' own phases on the same optimizer, fed the flat draw's pieces
+
+            def opacus_release(o=opt):
+                pieces = iter(
+                    optimizers.flat_noise(
+                        o.noise_multiplier * o.max_grad_norm,
+                        [p.summed_grad for p in o.params],
+                        o.generator,
+                        o.secure_mode,
+                    )
+                )
+                real = opacus_optimizer._generate_noise
+                opacus_optimizer._generate_noise = lambda **k: next(pieces)
+                try:
+                    DPOptimizer.add_noise(o)
+                finally:
+                    opacus_optimizer._generate_noise = real
+                assert next(pieces, None) is None  # one piece per tensor, all used
+
+            opt.add_noise = opacus_release
             opt.scale_grad = lambda o=opt: DPOptimizer.scale_grad(o)
         g = torch.Generator().manual_seed(1)
         x, y = torch.randn(4, 6, generator=g), torch.randint(0, 3, (4,), generator=g)
@@ -92,3 +113,19 @@ def test_the_fused_release_is_opacus_release_to_the_bit(mode, secret):
     same = all(torch.equal(a, b) for a, b in zip(grads[True], grads[False], strict=True))
     assert same is not secret
     assert all(g.abs().sum() > 0 for g in grads[True])  # noise was drawn (sigma 1)
+
+
+def test_flat_noise_is_one_draw_cut_into_the_tensors():
+    """One draw per dtype and device, in the tensors' order: the pieces are the flat draw's
+    consecutive slices, shaped like each tensor, each group from its own draw."""
+    from dpadapter.per_sample.optimizers import flat_noise
+
+    like = [torch.zeros(3, 2), torch.zeros(5, dtype=torch.float64), torch.zeros(4)]
+    got = flat_noise(2.0, like, torch.Generator().manual_seed(3), False)
+    g = torch.Generator().manual_seed(3)
+    f32 = torch.normal(0.0, 2.0, (10,), generator=g)
+    f64 = torch.normal(0.0, 2.0, (5,), generator=g, dtype=torch.float64)
+    assert [t.shape for t in got] == [t.shape for t in like]
+    assert [t.dtype for t in got] == [t.dtype for t in like]
+    assert torch.equal(got[0].flatten(), f32[:6]) and torch.equal(got[2], f32[6:])
+    assert torch.equal(got[1], f64)

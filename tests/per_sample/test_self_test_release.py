@@ -36,7 +36,7 @@ def _wrong_sums(monkeypatch, only_recomputed: bool) -> None:
         out = right(rec, weights, wanted)
         w = rec.params.get("weight")
         dropped = rec.strategy == "per-example" and id(w) not in rec.kept
-        if w is not None and (dropped or not only_recomputed):
+        if w is not None and id(w) in out and (dropped or not only_recomputed):
             out[id(w)] = out[id(w)] * 1.5
         return out
 
@@ -48,6 +48,25 @@ def test_a_wrong_clipped_sum_is_refused_naming_the_module(monkeypatch):
     _wrong_sums(monkeypatch, only_recomputed=False)
     with pytest.raises(PerSampleCheckError, match=r"clipped sums .* at module '(0|2)' \(Linear\)"):
         wrap_for_dp(_mlp(), "bk", sample=FLAT)
+
+
+def test_a_wrong_sum_of_the_kept_gradients_is_refused(monkeypatch):
+    """The kept per-example gradients' sums come from one product over their arena
+    (`per_sample.arena`), not from the layers' rules: a bug there is caught too."""
+    from dpadapter.per_sample import arena
+
+    def model():  # Linear(6, 8) on 4 positions: per-example gradients, kept
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Flatten(), nn.Linear(32, 3))
+
+    sample = ((4, 6), torch.float32)
+    assert wrap_for_dp(model(), "bk", sample=sample).per_sample_check["passed"]
+    right = arena.Arena.sums
+    monkeypatch.setattr(
+        arena.Arena, "sums", lambda self, w: {k: v * 1.5 for k, v in right(self, w).items()}
+    )
+    with pytest.raises(PerSampleCheckError, match=r"clipped sums .* at module '0' \(Linear\)"):
+        wrap_for_dp(model(), "bk", sample=sample)
 
 
 def test_the_paths_of_the_physical_batch_size_are_the_ones_checked(monkeypatch):

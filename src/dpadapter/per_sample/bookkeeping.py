@@ -72,7 +72,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
 
-from dpadapter.per_sample import functional, rules
+from dpadapter.per_sample import arena, functional, rules
 from dpadapter.per_sample.buffers import Workspace
 from dpadapter.per_sample.clip import folded_rows_error
 from dpadapter.per_sample.functional import FuncRecord
@@ -150,6 +150,7 @@ class BookKeepingModule(nn.Module):
         # Reused patch buffers for ghost norms and im2col, one per layout (`buffers`).
         self.workspace: Workspace = {}
         self.records: dict[nn.Module, LayerRecord | FuncRecord] = {}
+        self._arenas: list[arena.Arena] = []  # the last norms' kept gradients (`arena`)
         # fp16's loss scale of the last backward (per_sample.precision); 1 otherwise
         self.grad_scale = 1.0
         self._switched_off: list[nn.Parameter] = []
@@ -176,6 +177,7 @@ class BookKeepingModule(nn.Module):
         recording = torch.is_grad_enabled() and not self._replaying
         if recording:
             self.records = {}
+            self._arenas = []
             _refuse_unsupported(self._module)  # a strategy may have unfrozen another layer
             first = next((a for a in tree_leaves((args, kwargs)) if torch.is_tensor(a)), None)
             self._rows = None if first is None or first.dim() == 0 else first.shape[0]
@@ -330,6 +332,7 @@ class BookKeepingModule(nn.Module):
 
     def clear(self) -> None:
         self.records = {}
+        self._arenas = []
 
     def _close(self) -> None:
         """Drop the hooks (the finetune stage evaluates the plain module afterwards)."""
@@ -337,6 +340,7 @@ class BookKeepingModule(nn.Module):
             h.remove()
         self._handles = []
         self.records = {}
+        self._arenas = []
 
     def batch_size(self) -> int | None:
         for rec in self.records.values():
@@ -377,16 +381,21 @@ class BookKeepingModule(nn.Module):
         """
         recs = self._complete(params)
         wanted = {id(p) for p in params}
-        total = None
+        parts: list[torch.Tensor] = []
+        taken = []
         for rec in recs:
             if not any(id(p) in wanted for p in rec.params.values()):
                 continue  # a subset of the layers (the per-sample self-test, module by module)
+            taken.append(rec)
             if isinstance(rec, FuncRecord):
-                sq = functional.func_norms_sq(rec, wanted, self.keep_elements, self._replay)
+                parts += functional.func_norms_sq(rec, wanted, self.keep_elements, self._replay)
             else:
-                sq = rules.layer_norms_sq(rec, wanted, self._settings)
-            total = sq if total is None else total + sq
-        assert total is not None
+                parts += rules.layer_norms_sq(rec, wanted, self._settings)
+        # the kept gradients' norms in one reduction, their sums later in one product (`arena`)
+        self._arenas = arena.gather(taken, self._loss_scale)
+        parts += [a.norms_sq() for a in self._arenas]
+        assert parts
+        total = parts[0] if len(parts) == 1 else torch.stack(parts).sum(0)
         if not self.last_plan:
             names = {m: n for n, m in self._module.named_modules()}
             self.last_plan = {(names.get(r.module, "?") or "<root>"): r.strategy for r in recs}
@@ -396,15 +405,26 @@ class BookKeepingModule(nn.Module):
     def clipped_sums(
         self, params: list[nn.Parameter], factor: torch.Tensor
     ) -> dict[int, torch.Tensor]:
-        """`sum_i factor_i * grad_i` for each parameter (keyed by id), layer by layer."""
+        """`sum_i factor_i * grad_i` for each parameter (keyed by id), layer by layer; the kept
+        gradients' from their arenas (one product each)."""
         out: dict[int, torch.Tensor] = {}
         wanted = {id(p) for p in params}
+        weights: dict[float, torch.Tensor] = {}  # one product per loss scale, not per layer
+
+        def weighted(scale: float) -> torch.Tensor:
+            if scale not in weights:
+                weights[scale] = factor * scale
+            return weights[scale]
+
+        for a in self._arenas:
+            out.update({k: v for k, v in a.sums(weighted(a.scale)).items() if k in wanted})
+        rest = wanted - set(out)
         for rec in self.records.values():
-            weights = factor * self._loss_scale(rec)
+            w = weighted(self._loss_scale(rec))
             if isinstance(rec, FuncRecord):
-                out.update(functional.func_sums(rec, weights, wanted, self._replay))
+                out.update(functional.func_sums(rec, w, rest, self._replay))
             else:
-                out.update(rules.layer_sums(rec, weights, wanted))
+                out.update(rules.layer_sums(rec, w, rest))
         return out
 
     def _loss_scale(self, rec: LayerRecord | FuncRecord) -> float:

@@ -101,17 +101,19 @@ def func_grads(rec: FuncRecord, wanted: set[int], replay: Replay) -> dict[int, t
     return {id(rec.params[k]): v for k, v in grads.items()}
 
 
-def func_norms_sq(rec: FuncRecord, wanted: set[int], keep: int, replay: Replay) -> torch.Tensor:
-    """Squared per-example norms (n,); gradients up to `keep` elements are kept for the sum."""
+def func_norms_sq(
+    rec: FuncRecord, wanted: set[int], keep: int, replay: Replay
+) -> list[torch.Tensor]:
+    """Squared per-example norms (n,) as parts to add; gradients up to `keep` elements are kept
+    for the sum (`rec.kept`) and left out of the parts, as the closed forms do (`rules.keep`)."""
     rec.kept = {}
-    total = None
+    parts = []
     for pid, grads in func_grads(rec, wanted, replay).items():
         if grads.numel() <= keep:
             rec.kept[pid] = grads
-        sq = grads.reshape(grads.shape[0], -1).pow(2).sum(1)
-        total = sq if total is None else total + sq
-    assert total is not None
-    return total
+        else:
+            parts.append(grads.reshape(grads.shape[0], -1).pow(2).sum(1))
+    return parts
 
 
 def func_sums(

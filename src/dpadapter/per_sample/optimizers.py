@@ -172,13 +172,14 @@ class DistributedNoise:
 class FusedRelease(DPOptimizer):
     """Placed after the algorithm's class, so right before Opacus' `DPOptimizer`: its noise and
     scaling phases with one `torch._foreach` call each across the parameters instead of one
-    kernel per parameter tensor (the sum with the noise, the division by the expected batch).
+    kernel per parameter tensor (the sum with the noise, the division by the expected batch),
+    and the noise of all parameters of one dtype and device drawn at once (`flat_noise`).
 
-    The same values: the noise is drawn per tensor as before (the same generator calls in the
-    same order, through `privacy.randomness.gaussian_noise` as an installed secret mode does,
-    minus the buffer of zeros Opacus allocates and uses only at sigma 0), and the sums and
-    divisions are the same elementwise IEEE operations. An algorithm with a noise phase of its
-    own (GEP, AdpClip) comes first in the order and keeps it (issue 47: fewer, larger kernels).
+    The same law: N(0, sigma^2 C^2) i.i.d. per coordinate from the run's generator (the OS for a
+    secret one, `privacy.randomness`), as Opacus' one draw per tensor; a seeded run draws other
+    values than Opacus' per-tensor order would (docs/validity.md), the sums and divisions are the
+    same elementwise IEEE operations. An algorithm with a noise phase of its own (GEP, AdpClip)
+    comes first in the order and keeps it (issue 47: fewer, larger kernels).
     """
 
     def add_noise(self) -> None:
@@ -191,9 +192,7 @@ class FusedRelease(DPOptimizer):
         sums = [p.summed_grad for p in params]
         for s in sums:
             _check_processed_flag(s)
-        # the run's draw: from the OS for a secret generator, else Opacus' (without its zeros)
-        gen, secure = self.generator, self.secure_mode  # type: ignore[attr-defined]
-        noise = [gaussian_noise(std, s, generator=gen, secure_mode=secure) for s in sums]
+        noise = flat_noise(std, sums, self.generator, self.secure_mode)  # type: ignore[attr-defined]
         for p, g in zip(params, torch._foreach_add(sums, noise), strict=True):
             p.grad = g.view_as(p)
         for s in sums:
@@ -203,6 +202,25 @@ class FusedRelease(DPOptimizer):
         if self.loss_reduction == "mean" and self.params:  # type: ignore[attr-defined]
             scale = self.expected_batch_size * self.accumulated_iterations  # type: ignore[attr-defined]
             torch._foreach_div_([p.grad for p in self.params], scale)  # type: ignore[attr-defined]
+
+
+def flat_noise(std: float, like: list[torch.Tensor], generator, secure_mode: bool):
+    """N(0, std^2) shaped like each of `like`: one draw per dtype and device, cut into views.
+
+    One kernel for the model instead of one per parameter tensor; the draw itself is
+    `privacy.randomness.gaussian_noise`'s (the OS's for a secret generator, else the seeded one,
+    Opacus' own for its secure mode and for std 0)."""
+    out: list[torch.Tensor | None] = [None] * len(like)
+    groups: dict[tuple, list[int]] = {}
+    for i, t in enumerate(like):
+        groups.setdefault((t.dtype, t.device), []).append(i)
+    for (dtype, device), idx in groups.items():
+        sizes = [like[i].numel() for i in idx]
+        flat = torch.empty(sum(sizes), dtype=dtype, device=device)
+        drawn = gaussian_noise(std, flat, generator=generator, secure_mode=secure_mode)
+        for i, part in zip(idx, drawn.split(sizes), strict=True):
+            out[i] = part.view_as(like[i])
+    return out
 
 
 def _marker(p: torch.Tensor, n: int) -> torch.Tensor:

@@ -59,10 +59,13 @@ class Settings:
     workspace: Workspace  # the buffer pool (`buffers`)
 
 
-def keep(rec: LayerRecord, p: torch.Tensor, grads: torch.Tensor, limit: int) -> torch.Tensor:
-    """Squared norms of per-example gradients `grads`; kept for the sum if small enough."""
+def keep(rec, p: torch.Tensor, grads: torch.Tensor, limit: int) -> torch.Tensor | None:
+    """Per-example gradients `grads` kept for the sum if small enough, their squared norms left
+    to the wrapping module (None: one reduction over every kept gradient of the model, see
+    `bookkeeping.Arena`); else their squared norms (n,) now, and the sum recomputed later."""
     if grads.numel() <= limit:
         rec.kept[id(p)] = grads
+        return None
     return grads.reshape(grads.shape[0], -1).pow(2).sum(1)
 
 
@@ -72,11 +75,11 @@ def ghost(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
 
 
 # --- Linear (any leading dimensions) ---------------------------------------------------------
-def linear_norms_sq(rec: LayerRecord, w, b, s: Settings) -> list[torch.Tensor]:
+def linear_norms_sq(rec: LayerRecord, w, b, s: Settings) -> list[torch.Tensor | None]:
     a, g = rec.a, rec.g
     assert g is not None
     n = g.shape[0]
-    parts: list[torch.Tensor] = []
+    parts: list[torch.Tensor | None] = []
     if a.dim() == 2:  # one position: |g_i^T a_i| = |g_i| |a_i|
         rec.strategy = "exact"
         g2 = g.pow(2).sum(1)
@@ -106,8 +109,8 @@ def linear_sum(module: nn.Module, name: str, p, a: torch.Tensor, gw: torch.Tenso
 
 
 # --- Conv2d (zeros padding, any groups, stride, dilation) ------------------------------------
-def conv_norms_sq(rec: LayerRecord, w, b, s: Settings) -> list[torch.Tensor]:
-    parts: list[torch.Tensor] = []
+def conv_norms_sq(rec: LayerRecord, w, b, s: Settings) -> list[torch.Tensor | None]:
+    parts: list[torch.Tensor | None] = []
     if w is not None:
         parts.append(conv_weight_norms_sq(rec.module, rec, w, s))  # type: ignore[arg-type]
     if b is not None:
@@ -118,8 +121,9 @@ def conv_norms_sq(rec: LayerRecord, w, b, s: Settings) -> list[torch.Tensor]:
 
 def conv_weight_norms_sq(
     module: nn.Conv2d, rec: LayerRecord, w: torch.Tensor, s: Settings
-) -> torch.Tensor:
-    """A Conv2d weight's per-example norms: ghost norm or per-example gradients, the cheaper.
+) -> torch.Tensor | None:
+    """A Conv2d weight's per-example norms: ghost norm or per-example gradients, the cheaper
+    (None: the gradients are kept and their norms taken with the others', `keep`).
 
     With T output positions, d = Cin/G*kh*kw inputs and p = Cout/G outputs per group, the ghost
     norm costs T^2 (d + p) and the per-example gradient T d p per example and group. The ghost
@@ -172,11 +176,11 @@ def norm_layer_grads(module: nn.Module, a: torch.Tensor, g: torch.Tensor):
     return (xhat * g).sum(dim=lead), g.sum(dim=lead)
 
 
-def norm_layer_norms_sq(rec: LayerRecord, w, b, s: Settings) -> list[torch.Tensor]:
+def norm_layer_norms_sq(rec: LayerRecord, w, b, s: Settings) -> list[torch.Tensor | None]:
     assert rec.g is not None
     rec.strategy = "per-example"
     gw, gb = norm_layer_grads(rec.module, rec.a, rec.g)
-    parts: list[torch.Tensor] = []
+    parts: list[torch.Tensor | None] = []
     if w is not None:
         parts.append(keep(rec, w, gw, s.keep))
     if b is not None:
@@ -191,8 +195,9 @@ def norm_layer_sum(module: nn.Module, name: str, p, a: torch.Tensor, gw: torch.T
 
 # --- the table ---------------------------------------------------------------------------------
 class LayerRule(NamedTuple):
-    # (record, weight or None, bias or None, settings) -> squared norms (n,), weight's first
-    norms_sq: Callable[..., list[torch.Tensor]]
+    # (record, weight or None, bias or None, settings) -> squared norms (n,), weight's first;
+    # None for a parameter whose per-example gradients the rule kept (`keep`)
+    norms_sq: Callable[..., list[torch.Tensor | None]]
     # (module, "weight"/"bias", parameter, input a, clip-weighted output gradient) -> the sum
     clipped_sum: Callable[..., torch.Tensor]
 
@@ -221,8 +226,9 @@ def closed_form(m: nn.Module) -> bool:
     return rule_for(m) is not None
 
 
-def layer_norms_sq(rec: LayerRecord, wanted: set[int], s: Settings) -> torch.Tensor:
-    """Squared per-example gradient norm of one layer's wanted trained parameters (n,)."""
+def layer_norms_sq(rec: LayerRecord, wanted: set[int], s: Settings) -> list[torch.Tensor]:
+    """Squared per-example gradient norms (n,) of one layer's wanted trained parameters, as
+    parts to add; the parameters whose gradients are kept (`rec.kept`) are left out of them."""
     rule = rule_for(rec.module)
     assert rule is not None and rec.g is not None
     w, b = rec.params.get("weight"), rec.params.get("bias")
@@ -233,10 +239,7 @@ def layer_norms_sq(rec: LayerRecord, wanted: set[int], s: Settings) -> torch.Ten
         b if b is not None and id(b) in wanted else None,
         s,
     )
-    total = parts[0]
-    for part in parts[1:]:
-        total = total + part
-    return total
+    return [part for part in parts if part is not None]
 
 
 def layer_sums(
@@ -247,6 +250,7 @@ def layer_sums(
     a, g = rec.a, rec.g
     assert rule is not None and g is not None
     out: dict[int, torch.Tensor] = {}
+    gw = None  # the clip-weighted output gradient, one product for the layer's parameters
     for name, p in rec.params.items():
         if id(p) not in wanted:
             continue
@@ -254,6 +258,7 @@ def layer_sums(
         if kept is not None:
             out[id(p)] = torch.tensordot(weights.to(kept.dtype), kept, dims=1)
             continue
-        gw = g * weights.reshape(-1, *([1] * (g.dim() - 1))).to(g.dtype)
+        if gw is None:
+            gw = g * weights.reshape(-1, *([1] * (g.dim() - 1))).to(g.dtype)
         out[id(p)] = rule.clipped_sum(rec.module, name, p, a, gw)
     return out
