@@ -41,7 +41,7 @@ from dpadapter.models.batchnorm import apply_batchnorm_choice, freeze_batchnorm
 from dpadapter.models.input_adapter import adapt
 from dpadapter.per_sample import dp_optimizer, wrap_for_dp
 from dpadapter.settings import ModelConfig, load
-from dpadapter.strategies import apply_phase
+from dpadapter.train.strategies import apply_phase
 
 warnings.filterwarnings("ignore", message="Full backward hook is firing")
 warnings.filterwarnings("ignore", message="Using a non-full backward hook")

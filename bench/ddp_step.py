@@ -38,7 +38,7 @@ def worker(args: argparse.Namespace) -> None:
     from opacus.optimizers import DPOptimizer
     from torch import nn
 
-    from dpadapter import distributed
+    from dpadapter.ground import distributed
     from dpadapter.models import create_model
     from dpadapter.per_sample import wrap_for_dp
     from dpadapter.per_sample.optimizers import dp_optimizer

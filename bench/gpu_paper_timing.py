@@ -29,8 +29,8 @@ import torch
 from torch.utils.data import TensorDataset
 
 import dpadapter  # noqa: F401
-from dpadapter import device as devices
 from dpadapter.algorithms import ALGORITHMS
+from dpadapter.ground import device as devices
 from dpadapter.models import create_model
 from dpadapter.per_sample import effective_mode, wrap_for_dp
 from dpadapter.per_sample.precision import make_precision

@@ -142,7 +142,7 @@ def run_table2(
     parallel: int, cap_s: float, stall: set[str],
 ) -> dict:  # fmt: skip
     """Pre-train, the cells, the summary; returns what the session's report needs."""
-    from dpadapter.validation import load
+    from dpadapter.validation.compose import load
 
     config = write_config(work, mode, device, dry)
     cfg = load(config)

@@ -41,9 +41,9 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 import torch  # noqa: E402
 
 import dpadapter  # noqa: E402, F401
-from dpadapter import device as devices  # noqa: E402
 from dpadapter.algorithms import ALGORITHMS  # noqa: E402
 from dpadapter.data import public_train  # noqa: E402
+from dpadapter.ground import device as devices  # noqa: E402
 from dpadapter.models import create_model, replace_head  # noqa: E402
 from dpadapter.privacy import Segment, epsilon_from_history  # noqa: E402
 from dpadapter.settings import SGDConfig, from_dict  # noqa: E402

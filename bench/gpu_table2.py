@@ -20,7 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from dpadapter.validation import ConfigError, load
+from dpadapter.validation.compose import ConfigError, load
 
 
 def stage_command(config: Path, *args: str) -> list[str]:

@@ -3,7 +3,8 @@
 Snakemake's `benchmark:` file of a job (`RESULTS/benchmarks/...tsv`, column `s`) is the wall time
 of its whole shell command: interpreter start, imports, config validation, data and checkpoint
 loading, training, writing the outputs, exit. A training job's `metrics.json` records
-`wall_time_s`, the span of `dpadapter.job.training_job`: from after device set-up to the end of
+`wall_time_s`, the span of `dpadapter.ground.job.training_job`: from after device set-up to the end
+of
 the stage's training and evaluation, MLflow's `start_run` included, writing metrics.json and the
 MLflow artifact excluded. The difference is the fixed cost per job that a faster training step
 cannot remove, which is what this report is for.
@@ -319,7 +320,7 @@ def markdown(rows: list[RuleSummary], unmatched: list[str], dry: DryRun | None) 
     notes = [
         "",
         "wall: Snakemake benchmark `s` (the job's whole command); training: metrics.json "
-        "`wall_time_s` (dpadapter.job.training_job); overhead = (wall - training) / wall, "
+        "`wall_time_s` (dpadapter.ground.job.training_job); overhead = (wall - training) / wall, "
         "over the jobs with a training time.",
     ]
     if unmatched:

@@ -78,7 +78,7 @@ def test_every_rule_file_and_stage_is_on_the_page(text):
     "old, new",
     [
         ("| 3 | `dpadapter.algorithms` |", "| 4 | `dpadapter.algorithms` |"),  # moved
-        (", `dpadapter.fingerprint` |", " |"),  # left out
+        (", `dpadapter.workflow.fingerprint` |", " |"),  # left out
         ("| 2 | `dpadapter.per_sample` |", "| 2 | `dpadapter.per_sample`, `x.y` |"),
     ],
 )

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dpadapter import atomic
+from dpadapter.ground import atomic
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "dpadapter"
 
@@ -68,4 +68,4 @@ def test_no_module_writes_through_a_fixed_temporary_name():
         for i, line in enumerate(f.read_text().splitlines(), 1)
         if FIXED_TMP.search(line)
     ]
-    assert not offenders, f"fixed temporary names (use dpadapter.atomic): {offenders}"
+    assert not offenders, f"fixed temporary names (use dpadapter.ground.atomic): {offenders}"

@@ -1,6 +1,7 @@
 """The committed catalog.json is what the live registries give now; a stale one is never used.
 
-The validation and the rule files read the registries through `dpadapter.catalog` (no torch);
+The validation and the rule files read the registries through `dpadapter.registries.catalog` (no
+torch);
 if the manifest drifted from the classes, a config would be checked against schemas the jobs do
 not use. CI fails here first, with the command that regenerates it.
 """
@@ -12,7 +13,7 @@ import warnings
 
 import pytest
 
-from dpadapter import catalog
+from dpadapter.registries import catalog
 
 COMMITTED = json.loads(catalog.MANIFEST.read_text())
 
@@ -57,7 +58,7 @@ def test_a_stale_manifest_falls_back_to_the_live_registries(tmp_path, monkeypatc
     monkeypatch.setattr(catalog, "MANIFEST", path)
     catalog._manifest.cache_clear()
     try:
-        with pytest.warns(UserWarning, match="python -m dpadapter.catalog --write"):
+        with pytest.warns(UserWarning, match="python -m dpadapter.registries.catalog --write"):
             assert set(catalog.algorithms()) == set(live["algorithms"])
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # once a process
@@ -82,5 +83,5 @@ def test_an_edited_source_changes_the_digest(tmp_path, monkeypatch):
     with (tmp_path / "algorithms" / "dpsgd.py").open("a") as f:
         f.write("\n# edited\n")
     assert catalog.sources_digest() != COMMITTED["sources_sha256"]
-    (tmp_path / "param_schema.py").unlink()
+    (tmp_path / "ground" / "param_schema.py").unlink()
     assert catalog.sources_digest() is None

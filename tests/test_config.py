@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from dpadapter.settings import Config, ConfigError, from_dict
-from dpadapter.validation import load, validate
+from dpadapter.validation.compose import load, validate
 
 REPO = Path(__file__).resolve().parents[1]
 

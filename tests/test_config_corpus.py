@@ -4,7 +4,7 @@ Mutants: every numeric leaf written as a string (`m1: "1024"`, `delta: "1e-05"`)
 misspelled sibling of every key (`gama` beside `gamma`), in every section including
 `pretrain.params.*`, `finetune.algo_params.*`, `federated.*` and `hpo.*`. The names under
 `tasks` are the user's own (a new name is a new task), so only the keys inside a task are
-misspelled. The whole corpus goes through `dpadapter.validation.validate`, the function
+misspelled. The whole corpus goes through `dpadapter.validation.compose.validate`, the function
 `workflow/rules/common.smk` calls; a handful go through a real `snakemake -n`, which must fail
 naming the key and write nothing.
 """
@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from dpadapter.settings import ConfigError
-from dpadapter.validation import validate
+from dpadapter.validation.compose import validate
 
 REPO = Path(__file__).resolve().parents[1]
 BASE = yaml.safe_load((REPO / "config.yaml").read_text())

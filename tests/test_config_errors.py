@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from dpadapter.settings import ConfigError, key_lines, read_raw
-from dpadapter.validation import load, validate_files
+from dpadapter.validation.compose import load, validate_files
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_TEXT = (REPO / "config.yaml").read_text()

@@ -26,7 +26,7 @@ from dpadapter.settings import (
     read_raw,
     write_merged,
 )
-from dpadapter.validation import load, validate, validate_files
+from dpadapter.validation.compose import load, validate, validate_files
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_TEXT = (REPO / "config.yaml").read_text()
@@ -217,7 +217,7 @@ def test_overlays_own_their_results_folder():
     share a folder on purpose (configs/strategies.yaml: the default grid under three tuning
     strategies, beside the default run's jobs) must be one experiment: they differ only in
     which jobs exist, so `identity.check` lets them share it and no job of one reruns another's."""
-    from dpadapter.identity import differences, sections
+    from dpadapter.workflow.identity import differences, sections
 
     by_dir: dict[str, list[Path]] = {}
     for p in [REPO / "config.yaml", *SHIPPED]:
@@ -283,7 +283,7 @@ def test_algo_params_for_overrides_per_upstream_and_task():
 
     from tiny_config import TINY_RAW
 
-    from dpadapter.validation import validate
+    from dpadapter.validation.compose import validate
 
     tiny_raw = lambda: copy.deepcopy(TINY_RAW)  # noqa: E731
 

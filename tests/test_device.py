@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from dpadapter import device as devices
+from dpadapter.ground import device as devices
 from dpadapter.stages import finetune, pretrain, warmup
 from dpadapter.train.resume import ResumeFile
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import yaml
 
-from dpadapter import dvc_sync
+from dpadapter.workflow import dvc_sync
 
 DVC_YAML = {
     "stages": {

@@ -5,7 +5,8 @@ upstreams. The base's optional sections (`hpo.upstreams: [standard]`, `federated
 [scratch, ...]`) then stopped every run, each pointed at a line of config.yaml although the fix
 belongs in the overlay, and `unset: [federated]` did not help because the code's default
 strategies named `scratch`. Here: the main grid runs; each optional section's problems wait for
-its own target (`dpadapter.sections`) and point at the overlay's line; `unset:` of any section
+its own target (`dpadapter.validation.optional_sections`) and point at the overlay's line; `unset:`
+of any section
 leaves a config that runs; a default that does not fit is named with its value.
 """
 
@@ -17,11 +18,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dpadapter import cli
-from dpadapter.problems import locate
-from dpadapter.sections import refusal, stage_sections, validate_scoped, warning
+from dpadapter.launch import cli
 from dpadapter.settings import ConfigError, read_raw
-from dpadapter.validation import load, validate
+from dpadapter.settings.problems import locate
+from dpadapter.validation.compose import load, validate
+from dpadapter.validation.optional_sections import refusal, stage_sections, validate_scoped, warning
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_TEXT = (REPO / "config.yaml").read_text()

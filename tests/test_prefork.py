@@ -21,7 +21,7 @@ import yaml
 from proc_helpers import children as _children
 from tiny_config import TINY_RAW
 
-from dpadapter import prefork
+from dpadapter.launch import prefork
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from dpadapter import reruns, tracking
+from dpadapter import tracking
+from dpadapter.workflow import reruns
 
 pytestmark = pytest.mark.usefixtures("empty_mlflow_store")
 WILDCARDS = {"upstream": "vit", "task": "t", "algo": "dpsgd", "eps": "1", "seed": "0"}

@@ -1,4 +1,5 @@
-"""dpadapter.snakemake_adapter against the installed Snakemake: each accessor read from a real
+"""dpadapter.workflow.snakemake_adapter against the installed Snakemake: each accessor read from a
+real
 run of a two-rule workflow, the version guard, and a moved internal said as what it is."""
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from dpadapter import snakemake_adapter as smk
+from dpadapter.workflow import snakemake_adapter as smk
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -22,7 +23,7 @@ SNAKEFILE = textwrap.dedent(
     """
     import json
     from pathlib import Path
-    from dpadapter import snakemake_adapter as smk
+    from dpadapter.workflow import snakemake_adapter as smk
 
     smk.check_version()
     if not smk.replaces_default_config(workflow):

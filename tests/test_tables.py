@@ -1,10 +1,11 @@
-"""The shared cell rules (dpadapter.tables): ± and n, the n = 1 mark, and the ε-order flags."""
+"""The shared cell rules (dpadapter.ground.tables): ± and n, the n = 1 mark, and the ε-order
+flags."""
 
 import pytest
 
-from dpadapter import tables
+from dpadapter.ground import tables
+from dpadapter.ground.tables import INVERTED, SINGLE, UNKNOWN, WITHIN_NOISE, Stat
 from dpadapter.stages import aggregate
-from dpadapter.tables import INVERTED, SINGLE, UNKNOWN, WITHIN_NOISE, Stat
 
 
 def test_stat_of_seeds():

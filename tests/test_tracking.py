@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 
 from dpadapter import tracking
-from dpadapter.identity import config_hash, run_prefix
 from dpadapter.settings import TrackingConfig
 from dpadapter.stages import finetune, pretrain
+from dpadapter.workflow.identity import config_hash, run_prefix
 
 DP_PARAMS = {
     "target_epsilon", "delta", "accountant", "noise_multiplier", "max_grad_norm", "sample_rate",

@@ -1,4 +1,5 @@
-"""dpadapter.validation: every mistake of issue 13 is refused by name before any job starts."""
+"""dpadapter.validation.compose: every mistake of issue 13 is refused by name before any job
+starts."""
 
 import copy
 import subprocess
@@ -12,10 +13,10 @@ import yaml
 from dpadapter.algorithms import ALGORITHMS
 from dpadapter.data import DATASET_INFO, load_dataset, missing_files
 from dpadapter.data.registry import DatasetUnavailable
-from dpadapter.param_schema import param_errors
+from dpadapter.ground.param_schema import param_errors
 from dpadapter.settings import ConfigError
 from dpadapter.upstream import UPSTREAMS
-from dpadapter.validation import full_schema, validate, variant_problems
+from dpadapter.validation.compose import full_schema, validate, variant_problems
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT = yaml.safe_load((REPO / "config.yaml").read_text())
@@ -229,8 +230,8 @@ def test_unreachable_epsilon_is_refused_at_validation():
 def test_a_job_checks_the_reach_of_its_own_cell_only(tiny_raw, tmp_path, capsys):
     """The workflow refuses an unreachable grid epsilon before any job; a job validates again
     but checks the cell it trains only (each (q, steps) costs the RDP bound ~0.25 s)."""
-    from dpadapter.cli import main
-    from dpadapter.validation import validate_files
+    from dpadapter.launch.cli import main
+    from dpadapter.validation.compose import validate_files
 
     tiny_raw["finetune"]["epsilons"] = [1, 1000]
     cfg = tmp_path / "c.yaml"
@@ -267,7 +268,7 @@ def test_the_settings_package_imports_no_registry():
         "import sys, dpadapter.settings\n"
         "bad = [m for m in sys.modules if m.startswith(('dpadapter.algorithms', "
         "'dpadapter.upstream', 'dpadapter.data', 'dpadapter.models', 'dpadapter.privacy', "
-        "'dpadapter.validation', 'dpadapter.catalog'))]\n"
+        "'dpadapter.validation.compose', 'dpadapter.registries.catalog'))]\n"
         "print(bad)\n"
         "sys.exit(1 if bad else 0)\n"
     )

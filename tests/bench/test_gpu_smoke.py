@@ -101,7 +101,7 @@ def test_finite_check_sees_nan_weights(smoke):
 
 
 def test_repeat_check_sees_an_unseeded_noise_generator(smoke, cfg, monkeypatch):
-    from dpadapter import device as devices
+    from dpadapter.ground import device as devices
 
     fresh = itertools.count(1)
     real = devices.generator

@@ -13,8 +13,8 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from dpadapter import distributed
 from dpadapter.algorithms import DPRunSpec
+from dpadapter.ground import distributed
 from dpadapter.models import create_model
 from dpadapter.per_sample import wrap_for_dp
 from dpadapter.per_sample.optimizers import dp_optimizer

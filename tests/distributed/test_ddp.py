@@ -157,7 +157,7 @@ def test_pre_training_in_two_processes_makes_the_one_process_updates(launched, m
 
 def test_a_process_without_its_own_gpu_is_told_why(monkeypatch):
     """k processes on a node that shows fewer GPUs: a clear error before any collective."""
-    from dpadapter import distributed
+    from dpadapter.ground import distributed
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("LOCAL_RANK", str(torch.cuda.device_count()))

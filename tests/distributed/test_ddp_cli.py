@@ -14,7 +14,7 @@ import pytest
 import yaml
 from tiny_config import TINY_HPO, TINY_RAW
 
-from dpadapter import prefork
+from dpadapter.launch import prefork
 
 REPO = Path(__file__).resolve().parents[2]
 # A one-process job is forked from the worker's fork server (tests/conftest.py) as a local

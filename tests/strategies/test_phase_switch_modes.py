@@ -17,9 +17,9 @@ from dpadapter.data import build_splits
 from dpadapter.models import create_model, replace_head
 from dpadapter.per_sample import GRAD_SAMPLE_MODES, wrap_for_dp
 from dpadapter.settings import ModelConfig
-from dpadapter.strategies import apply_phase, get_strategy
 from dpadapter.train.dp_fit import FitSettings, dp_fit
 from dpadapter.train.dp_spec import run_spec
+from dpadapter.train.strategies import apply_phase, get_strategy
 
 
 @pytest.mark.parametrize("mode", GRAD_SAMPLE_MODES)

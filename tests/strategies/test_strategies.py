@@ -5,7 +5,7 @@ import torch
 
 from dpadapter.models import create_model, get_head_params
 from dpadapter.settings import ModelConfig
-from dpadapter.strategies import (
+from dpadapter.train.strategies import (
     STRATEGIES,
     apply_phase,
     get_strategy,

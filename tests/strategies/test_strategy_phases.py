@@ -10,7 +10,7 @@ import torch
 from dpadapter.models import create_model, get_head_params
 from dpadapter.per_sample import GRAD_SAMPLE_MODES
 from dpadapter.settings import ModelConfig
-from dpadapter.strategies import (
+from dpadapter.train.strategies import (
     BITFIT,
     FT,
     HT,

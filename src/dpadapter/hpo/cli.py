@@ -1,6 +1,7 @@
 """`python -m dpadapter --config C hpo <step> ...`: the entry points of workflow/rules/hpo*.smk.
 
-Kept apart from `dpadapter.cli` so that the shared parser only gains one line per hook; nothing
+Kept apart from `dpadapter.launch.cli` so that the shared parser only gains one line per hook;
+nothing
 heavy is imported until a step runs.
 """
 
@@ -126,8 +127,8 @@ def _probe(cfg: Config, a: argparse.Namespace) -> None:
     """The linear-probe regime's steps (`dpadapter.hpo.probe`)."""
     import json
 
+    from dpadapter.ground.job import write_json
     from dpadapter.hpo.probe import features, oracle, replicate, summary
-    from dpadapter.job import write_json
 
     if a.hpo_step == "features":
         p = features.compute(cfg, a.task, a.ckpt, a.out)

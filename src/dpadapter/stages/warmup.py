@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dpadapter import device as devices
 from dpadapter.data import build_splits
-from dpadapter.job import seed_everything, training_job
+from dpadapter.ground import device as devices
+from dpadapter.ground.job import seed_everything, training_job
 from dpadapter.models import create_model
 from dpadapter.settings import Config
 from dpadapter.stages.pretrain import public_report

@@ -60,8 +60,8 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from dpadapter.device import Place
-from dpadapter.param_schema import NON_NEGATIVE, POSITIVE_INT, params_object
+from dpadapter.ground.device import Place
+from dpadapter.ground.param_schema import NON_NEGATIVE, POSITIVE_INT, params_object
 from dpadapter.upstream.base import register_upstream
 from dpadapter.upstream.perturbed import (
     SCHEDULE_DEFAULTS,

@@ -1,7 +1,8 @@
 """Where a config problem's fix belongs, and which section of the pipeline it stands in the way of.
 
 A problem is a line `  key: message` of a ConfigError. Two questions are answered here, both
-without the registries (`dpadapter.validation` finds the problems, `dpadapter.sections` applies
+without the registries (`dpadapter.validation.compose` finds the problems,
+`dpadapter.validation.optional_sections` applies
 the answers in the workflow and the jobs):
 
 - Where to fix it (`locate`). A user's overlay names only what differs from its base, so the
@@ -217,7 +218,8 @@ def locate(
     `files` are merged in order (a later file wins), each with its chain of `base:` files. A key
     is pointed at the last file that writes the deepest part of its path, except where the last
     file is an overlay that brought the problem: `own(raw)` checks a merged config `raw` (as
-    `dpadapter.validation.check` does: the config and its problems; schema errors raise), and a
+    `dpadapter.validation.compose.check` does: the config and its problems; schema errors raise),
+    and a
     problem the config without the overlay's layer does not have is the overlay's to fix (the
     message says which file holds the value). A key no file writes is a default: `defaults`
     (the parsed config as a dict) gives its value. Keys set by `overrides` (Snakemake's

@@ -28,7 +28,7 @@ import os
 import signal
 import sys
 
-from dpadapter.prefork import FORWARDED, killed_message
+from dpadapter.launch.prefork import FORWARDED, killed_message
 
 ENV = "DPADAPTER_SUPERVISE"
 _PR_SET_PDEATHSIG = 1

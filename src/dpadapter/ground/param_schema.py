@@ -1,7 +1,8 @@
 """JSON schemas of the params a registered method or algorithm takes, and their error messages.
 
 Each upstream method and DP algorithm declares `params_schema` beside its `default_params()`;
-the config validation (`dpadapter.validation`) plugs those schemas into the config schema, so a
+the config validation (`dpadapter.validation.compose`) plugs those schemas into the config schema,
+so a
 typo or a wrong type in `pretrain.params.<method>` or `finetune.algo_params.<algo>` is refused
 by name before any job is scheduled, and the classes check the same schema when constructed.
 This module imports nothing of the package, so the registries and the config can both use it.

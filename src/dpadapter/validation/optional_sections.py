@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from dpadapter.data import resolve_dataset
-from dpadapter.problems import OPTIONAL, error, locate, needed, section_of
 from dpadapter.settings import Config
-from dpadapter.validation import check, check_files_of
+from dpadapter.settings.problems import OPTIONAL, error, locate, needed, section_of
+from dpadapter.validation.compose import check, check_files_of
 
 # What the audit reads of `federated` when it audits the federated mechanisms (per client, in
 # client 0 of the federated setting): not the grid's upstreams, strategies or UT estimates.
@@ -62,7 +62,8 @@ def validate_scoped(
     """The config, and each optional section's problems (located like every other).
 
     Raises ConfigError for a problem of the main grid (what `make run` builds), exactly as
-    `dpadapter.validation.validate_files` does; an optional section's problems are left out of
+    `dpadapter.validation.compose.validate_files` does; an optional section's problems are left out
+    of
     the raise and returned instead, keyed by the section's name.
     """
     cfg, problems = check_files_of(raw, files, overrides, check_files)

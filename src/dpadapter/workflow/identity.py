@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dpadapter import atomic
+from dpadapter.ground import atomic
 from dpadapter.settings import Config
 
 IDENTITY_FILE = "config-identity.json"
@@ -122,7 +122,8 @@ def _same_but_new_defaults(key: str, old: Any, new: Any, at_default: set[str]) -
 
 
 # Keys that only say which jobs exist: growing or shrinking them adds or leaves out jobs and
-# overwrites none (each job's own settings are in its rerun trigger, dpadapter.fingerprint).
+# overwrites none (each job's own settings are in its rerun trigger,
+# dpadapter.workflow.fingerprint).
 _GRID_KEYS = (
     "pretrain.upstreams",
     "finetune.algorithms",
@@ -210,10 +211,10 @@ def check(cfg: Config) -> str | None:
 
 
 def fingerprint_version(cfg: Config) -> int:
-    """The rerun-trigger version of `cfg.results_dir` (dpadapter.fingerprint): what its
+    """The rerun-trigger version of `cfg.results_dir` (dpadapter.workflow.fingerprint): what its
     identity records, else 1 for a folder that already holds results (built by older code),
     else the current one (a new folder)."""
-    from dpadapter.fingerprint import CURRENT_VERSION
+    from dpadapter.workflow.fingerprint import CURRENT_VERSION
 
     stored = read(cfg.results_dir)
     if stored is not None:
@@ -228,14 +229,14 @@ PINS_KEY = "fingerprint_pins"
 
 def fingerprint_pins(cfg: Config) -> dict[str, Any] | None:
     """For a version 1 folder, the `finetune.upstreams` its finished jobs were built with
-    (dpadapter.fingerprint.PINNED_UPSTREAMS; {} when it was unset), else None.
+    (dpadapter.workflow.fingerprint.PINNED_UPSTREAMS; {} when it was unset), else None.
 
     Version 1 triggers hold the list, so the config's own list would rerun every finished job
     as soon as an upstream is added. The list is pinned when code that knows about pins first
     sees the folder: from its identity, which holds the config of its last run (an empty list
     there is the key unset: the effective config fills no default in), or, for a folder older
     than identities, from this config. `record` keeps it from then on."""
-    from dpadapter.fingerprint import PINNED_UPSTREAMS
+    from dpadapter.workflow.fingerprint import PINNED_UPSTREAMS
 
     if fingerprint_version(cfg) >= 2:
         return None

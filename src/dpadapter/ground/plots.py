@@ -172,7 +172,7 @@ def robustness_vs_accuracy(
         raise ValueError("robustness_vs_accuracy: no rows to plot")
     fig, ax = plt.subplots(figsize=(5.2, 4.2))
     if absent:
-        from dpadapter.tables import NOT_MEASURED, absence_note
+        from dpadapter.ground.tables import NOT_MEASURED, absence_note
 
         note = absence_note(absent).removeprefix(f"{NOT_MEASURED}: ")
         note = textwrap.fill(note[0].upper() + note[1:], 70)

@@ -15,9 +15,9 @@ from pathlib import Path
 from dpadapter.audit.cli import add_parsers as add_audit_parsers
 from dpadapter.federated.cli import add_parsers as add_federated_parsers
 from dpadapter.hpo.cli import add_parsers as add_hpo_parsers
-from dpadapter.sections import stage_sections
 from dpadapter.settings import read_raw, split_folder
-from dpadapter.validation import ConfigError, validate_files
+from dpadapter.validation.compose import ConfigError, validate_files
+from dpadapter.validation.optional_sections import stage_sections
 
 
 def _written_since(folder: Path, t0: float) -> list[Path]:
@@ -96,7 +96,9 @@ def main(argv: list[str] | None = None) -> int:
     cells = None if args.stage == "validate" else []
     if args.stage == "finetune":
         cells = [(args.task, args.eps)]
-    try:  # an optional section a stage does not read never stops it (dpadapter.sections)
+    # an optional section a stage does not read never stops it
+    # (dpadapter.validation.optional_sections)
+    try:
         raw = read_raw(args.config)
         cfg = validate_files(
             raw,
@@ -117,16 +119,17 @@ def main(argv: list[str] | None = None) -> int:
     elif args.stage in ("warmup", "pretrain"):
         processes = cfg.pretrain_processes
     if processes > 1 and "WORLD_SIZE" not in os.environ:
-        # the job again as `processes` processes under torchrun (dpadapter.distributed), which
+        # the job again as `processes` processes under torchrun (dpadapter.ground.distributed),
+        # which
         # fails the whole job when one of them fails
-        from dpadapter.distributed import run_torchrun
+        from dpadapter.ground.distributed import run_torchrun
 
         return run_torchrun(processes, list(sys.argv[1:] if argv is None else argv))
     from dpadapter.tracking import TrackingError
 
     try:
         if "WORLD_SIZE" in os.environ:
-            from dpadapter import device, distributed
+            from dpadapter.ground import device, distributed
 
             distributed.init(device.resolve(cfg.device))
         _dispatch(args, cfg)
@@ -135,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     finally:
         if "WORLD_SIZE" in os.environ:
-            from dpadapter import distributed
+            from dpadapter.ground import distributed
 
             distributed.shutdown()
     return 0

@@ -4,7 +4,7 @@ The registries stay the one home of each method's, algorithm's and model's facts
 `params_schema`, their flags); importing them imports torch and Opacus (~2.5 s). The config
 validation and the rule files only need names, params schemas and a few flags, so those are
 read from `catalog.json` beside this file, a manifest derived from the live registries by
-`python -m dpadapter.catalog --write`.
+`python -m dpadapter.registries.catalog --write`.
 
 Correctness does not depend on remembering to regenerate it: the manifest records the sha256
 of the sources it was derived from (`SOURCES`); when that does not match the files on disk,
@@ -30,17 +30,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-_PACKAGE = Path(__file__).resolve().parent
-MANIFEST = _PACKAGE / "catalog.json"
+_PACKAGE = Path(__file__).resolve().parents[1]
+MANIFEST = Path(__file__).resolve().parent / "catalog.json"
 # What the manifest is derived from (paths under src/dpadapter; folders: every .py in them).
 SOURCES = (
     "algorithms",
     "upstream",
     "models",
-    "param_schema.py",
-    "catalog.py",
+    "ground/param_schema.py",
+    "registries/catalog.py",
 )
-WRITE_COMMAND = "python -m dpadapter.catalog --write"
+WRITE_COMMAND = "python -m dpadapter.registries.catalog --write"
 
 
 @dataclass(frozen=True)
@@ -140,7 +140,9 @@ def write(path: Path = MANIFEST) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m dpadapter.catalog", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m dpadapter.registries.catalog", description=__doc__
+    )
     parser.add_argument("--write", action="store_true", help=f"rewrite {MANIFEST.name}")
     args = parser.parse_args(argv)
     if args.write:

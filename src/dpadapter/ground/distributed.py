@@ -115,7 +115,7 @@ def torchrun_command(processes: int, argv: list[str]) -> list[str]:
 def run_torchrun(processes: int, argv: list[str]) -> int:
     """Run the job under torchrun and return its status; SIGTERM, SIGINT and SIGHUP go on to
     torchrun, which stops every rank. A child process, not `exec`: the process that launched
-    the job (the fork server's child, `dpadapter.supervise`'s) reports the status itself."""
+    the job (the fork server's child, `dpadapter.launch.supervise`'s) reports the status itself."""
     import signal
     import subprocess
 

@@ -9,7 +9,7 @@ sized at import): it imports what jobs import, then waits on a Unix socket (a jo
 while it imports waits for it). Each job's `python -m dpadapter ...` connects to the server of
 its thread count (`delegate`), hands over its arguments, working folder, environment and
 standard streams, and the server forks a child that runs the job exactly as the job's own
-process would (`dpadapter.cli.main`) and reports its exit status back. A signal the job's
+process would (`dpadapter.launch.cli.main`) and reports its exit status back. A signal the job's
 process receives is passed on to the child; if that process is killed the child kills itself.
 
 Like gunicorn's `--preload`, this relies on fork being safe after imports: the server never
@@ -55,7 +55,7 @@ FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signa
 # tracked job imports beside MLflow (from sys.modules after a forked fine-tuning job, 0.7 s of
 # each): GitPython for its source tags, tracing, the sqlite dialect, the store's schema check.
 PRELOAD = (
-    *("dpadapter.cli", "dpadapter.stages.warmup", "dpadapter.stages.pretrain"),
+    *("dpadapter.launch.cli", "dpadapter.stages.warmup", "dpadapter.stages.pretrain"),
     *("dpadapter.stages.finetune", "dpadapter.stages.aggregate", "dpadapter.stages.figures"),
     *("dpadapter.train.dp_fit", "dpadapter.tracking", "dpadapter.data.tensor_cache"),
     *("opacus", "opacus.utils.batch_memory_manager", "jsonschema"),
@@ -321,13 +321,13 @@ def fork_hazard() -> str | None:
     if torch is not None and torch.cuda.is_initialized():
         return (
             f"CUDA is initialised in the fork server (pid {os.getpid()}); a forked job could "
-            "not use the GPU. Nothing the server imports may touch CUDA (dpadapter.prefork)"
+            "not use the GPU. Nothing the server imports may touch CUDA (dpadapter.launch.prefork)"
         )
     others = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
     if others:
         return (
             f"the fork server runs {len(others) + 1} Python threads ({', '.join(others)}), "
-            "and fork copies only one; it must stay single-threaded (dpadapter.prefork)"
+            "and fork copies only one; it must stay single-threaded (dpadapter.launch.prefork)"
         )
     return None
 
@@ -414,7 +414,7 @@ def _run(argv: list[str]) -> int:
     """The job, as `dpadapter.__main__` runs it: its status, or 1 with the traceback."""
     import traceback
 
-    from dpadapter.cli import main
+    from dpadapter.launch.cli import main
 
     try:
         rc = main(argv)
@@ -477,7 +477,7 @@ def start(
     Path(log).parent.mkdir(parents=True, exist_ok=True)
     log = open(log, "ab")  # noqa: SIM115 (the server's own; closed here once handed over)
     server = subprocess.Popen(
-        [python, "-m", "dpadapter.prefork", path, str(os.getpid()), str(idle_seconds)],
+        [python, "-m", "dpadapter.launch.prefork", path, str(os.getpid()), str(idle_seconds)],
         stdin=subprocess.DEVNULL,
         stdout=log,
         stderr=subprocess.STDOUT,

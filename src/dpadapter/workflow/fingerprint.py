@@ -157,11 +157,12 @@ class Stage:
 
 _FINETUNE_JOB = without("finetune", _FINETUNE_JOB_GRID)
 _FINETUNE = without("finetune", FINETUNE_GRID)
-# Version 2 (results folders begun by this code, dpadapter.identity.fingerprint_version): a
+# Version 2 (results folders begun by this code, dpadapter.workflow.identity.fingerprint_version): a
 # fine-tuning job's trigger leaves out `finetune.upstreams` too, so adding an upstream runs only
 # the new jobs. Version 1 folders keep the list in it: their finished jobs were built with it,
 # and Snakemake would rerun every one of them if the value changed. So a version 1 folder's
-# triggers read the list it was built with (`pins`, dpadapter.identity.fingerprint_pins), not
+# triggers read the list it was built with (`pins`, dpadapter.workflow.identity.fingerprint_pins),
+# not
 # the config's: its finished jobs are carried over, and a grown list adds jobs, as in version 2.
 CURRENT_VERSION = 2
 # The pinned key of a version 1 folder, as `pins` names it (absent from `pins`: no such key).

@@ -14,8 +14,9 @@ from typing import Any
 
 import torch
 
-from dpadapter import atomic, distributed, tracking
-from dpadapter import device as devices
+from dpadapter import tracking
+from dpadapter.ground import atomic, distributed
+from dpadapter.ground import device as devices
 from dpadapter.settings import Config
 
 
@@ -80,7 +81,7 @@ def training_job(
         "stage": stage,
         "wildcards": wildcards,
         "device": devices.describe(dev),
-        # processes of the job (finetune.processes: torchrun, dpadapter.distributed)
+        # processes of the job (finetune.processes: torchrun, dpadapter.ground.distributed)
         "processes": distributed.world().size,
         # seeded (reproducible) or secret (the OS's source) noise and sampling; docs/privacy.md
         "randomness": cfg.privacy.randomness_record(),

@@ -13,7 +13,8 @@ HPO, federated and audit (`dpadapter.<feature>.checks`). The workflow
 every message names the full key.
 
 The workflow validates while Snakemake parses, so this module imports no torch, Opacus or
-MLflow: the registries are read through `dpadapter.catalog` (names, params schemas, flags).
+MLflow: the registries are read through `dpadapter.registries.catalog` (names, params schemas,
+flags).
 Only a config naming an external backbone imports its method (timm's pretrained_cfg, the
 weights' location), in `dpadapter.upstream.checks`.
 """
@@ -26,12 +27,11 @@ from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
-from dpadapter import catalog
 from dpadapter.audit import checks as audit_checks
 from dpadapter.data import checks as data_checks
 from dpadapter.federated import checks as federated_checks
 from dpadapter.hpo import checks as hpo_checks
-from dpadapter.problems import blocking, error, locate
+from dpadapter.registries import catalog
 from dpadapter.settings import (
     Config,
     ConfigError,
@@ -42,6 +42,7 @@ from dpadapter.settings import (
     validate_raw,
 )
 from dpadapter.settings import from_dict as _parse
+from dpadapter.settings.problems import blocking, error, locate
 from dpadapter.stages import checks as stage_checks
 from dpadapter.upstream import checks as upstream_checks
 from dpadapter.upstream.checks import only_backbones, variant_problems
@@ -97,7 +98,7 @@ def validate(
 
     `check_files` also looks for each dataset's files (the workflow does; a job's CLI does not,
     as its loader reports missing files itself). `sections`: the optional sections whose
-    problems count (`dpadapter.problems.blocking`; None: all of them).
+    problems count (`dpadapter.settings.problems.blocking`; None: all of them).
     """
     cfg, problems = check(raw, check_files)
     problems = blocking(problems, sections)
@@ -151,7 +152,7 @@ def check_files_of(
 ) -> tuple[Config, list[str]]:
     """`check` of `raw` after its files' duplicate keys are refused (an overlay's bases too);
     a schema error is pointed at its file and line. The shared first half of `validate_files`
-    and `dpadapter.sections.validate_scoped`."""
+    and `dpadapter.validation.optional_sections.validate_scoped`."""
     for f in files:
         if Path(f).is_file():
             for part in config_chain(f):
@@ -173,7 +174,7 @@ def validate_files(
     cells: Collection[tuple[str, float]] | None = None,
 ) -> Config:
     """`validate` for `raw` merged from `files` (and `overrides`), each problem pointed at the
-    file and line where its fix belongs (`dpadapter.problems.locate`).
+    file and line where its fix belongs (`dpadapter.settings.problems.locate`).
 
     `backbones`: the upstreams whose backbone is checked (a job checks only the one it builds;
     the workflow checked them all before any job). None: all.
