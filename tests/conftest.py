@@ -41,7 +41,7 @@ def _empty_mlflow_store(tmp_path_factory) -> Path:
     on a busy disk: a commit each); the in-process stage tests each start from a copy instead
     (`empty_mlflow_store`).
     The race on creating a store is tested on its own (tests/cluster/test_mlflow_load.py).
-    None where MLflow is not installed (a bare GPU image: bench/gpu_session.sh runs the CUDA
+    None where MLflow is not installed (a bare GPU image: bench/gpu/gpu_session.sh runs the CUDA
     tests there), where tracking switches itself off (`tracking.enabled: auto`).
     """
     try:
@@ -84,7 +84,8 @@ def _fork_servers(tmp_path_factory) -> ForkServers:
     Each Snakemake run of the workflow starts servers of its own, which import torch, Opacus
     and MLflow (~5 s of CPU each, two per run); the end-to-end tests make a few dozen runs. A
     run finds these in `DPADAPTER_PREFORK` (`shared_fork_servers`) and uses them instead
-    (`prefork.inherited`); its jobs are forked exactly as from its own (tests/test_prefork.py).
+    (`prefork.inherited`); its jobs are forked exactly as from its own
+    (tests/launch/test_prefork.py).
     The tiny pipeline's test keeps starting its own, and checks that it does.
     """
     from dpadapter.launch import prefork

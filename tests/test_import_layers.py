@@ -4,15 +4,16 @@ Read from the source (every `import`, including those inside functions: a lazy i
 a dependency), so the test needs no torch and sees what a reader sees. Every module lives in a
 folder, and each folder is one layer, low to high:
 
-0. the ground floor: `ground` (atomic writes, device, the processes of a job, the job harness,
-   tables, plots, statistics, params schemas), `settings` (the config's sections, files,
-   schema, and where a problem's fix belongs), `workflow` (what the rule files read while they
-   parse: identity, rerun fingerprints and numbering, the Snakemake and DVC adapters),
+0. the ground floor: `ground` (atomic writes, device, the processes of a job, tables, plots,
+   statistics, params schemas; it imports nothing of the package), `settings` (the config's
+   sections, files, schema, and where a problem's fix belongs), `workflow` (what the rule
+   files read while they parse: identity, rerun fingerprints and numbering, the Snakemake and
+   DVC adapters),
    `tracking`, `compat`
 1. privacy (accounting, calibration, ledger), models, data (its checks too)
 2. per-sample gradients and clipping (`per_sample`)
 3. algorithms (one DP method per file)
-4. the DP and non-private training loops and what a step trains (`train`)
+4. the DP and non-private training loops, the job harness and what a step trains (`train`)
 5. upstream methods, federated, HPO, audit (experiments built on the loops), and `registries`
    (the catalog that reads the registries' names and schemas without torch)
 6. entry points: `stages` (and the main grid's checks, `stages.checks`), `launch` (the command
@@ -241,6 +242,19 @@ def test_the_root_holds_only_init_and_main():
     assert root_modules(GRAPH) == ["dpadapter.__main__"]
     assert sorted(p for p in LAYERS if p != folder(p)) == []
     assert {folder(m) for m in GRAPH} == set(LAYERS)
+
+
+def test_the_ground_floor_imports_nothing_of_the_package():
+    """`ground/` is what every folder may stand on, the config's own included: it imports only
+    its own rooms, so no folder of layer 0 leads back into another through it."""
+    bad = sorted(
+        f"{m} imports {t}"
+        for m, ts in GRAPH.items()
+        if folder(m) == "dpadapter.ground"
+        for t in ts
+        if folder(t) != "dpadapter.ground"
+    )
+    assert bad == []
 
 
 def test_following_the_algorithm_from_finetune_never_climbs_back_up():

@@ -49,7 +49,7 @@ def run(cfg: Config, algo: str, eps: float, out_dir: Path) -> dict:
     # here, not at the top: the workflow reads this module's grid (audit_jobs) at parse time
     import torch
 
-    from dpadapter.ground.job import write_json
+    from dpadapter.train.job import write_json
 
     torch.set_num_threads(int(os.environ.get("DPADAPTER_THREADS", torch.get_num_threads())))
     if algo.startswith(FEDERATED_PREFIX):

@@ -36,7 +36,6 @@ from dpadapter.federated.mechanisms import (
 from dpadapter.federated.partition import dirichlet_partition
 from dpadapter.federated.simulation import Client, Federation, MechanismRun
 from dpadapter.ground import device as devices
-from dpadapter.ground.job import seed_everything, training_job
 from dpadapter.models import replace_head
 from dpadapter.models.batchnorm import freeze_batchnorm
 from dpadapter.per_sample import effective_mode, wrap_for_dp
@@ -44,6 +43,7 @@ from dpadapter.privacy import Segment, verify_plan
 from dpadapter.settings import Config
 from dpadapter.train.batching import wants_padding
 from dpadapter.train.checkpoint import load_model
+from dpadapter.train.job import seed_everything, training_job
 from dpadapter.train.loops import evaluate
 from dpadapter.train.progress import ProgressLine
 from dpadapter.train.strategies import FT, PHASES, apply_phase, get_strategy, released_dims

@@ -275,7 +275,7 @@ def run(
     md_path: Path,
 ) -> dict:
     from dpadapter.federated import plots
-    from dpadapter.ground.job import write_json
+    from dpadapter.train.job import write_json
 
     rows, preds = collect(metrics)
     write_csv(rows, csv_path, COLUMNS)

@@ -127,8 +127,8 @@ def _probe(cfg: Config, a: argparse.Namespace) -> None:
     """The linear-probe regime's steps (`dpadapter.hpo.probe`)."""
     import json
 
-    from dpadapter.ground.job import write_json
     from dpadapter.hpo.probe import features, oracle, replicate, summary
+    from dpadapter.train.job import write_json
 
     if a.hpo_step == "features":
         p = features.compute(cfg, a.task, a.ckpt, a.out)

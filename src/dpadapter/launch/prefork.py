@@ -19,7 +19,7 @@ forks from its only Python thread.
 Where it does not apply the job runs in its own process: no server (a cluster job, a dry run, a
 stage run by hand), `DPADAPTER_PREFORK=0`, a job inside a Slurm allocation, or a server started
 from another interpreter, copy of the package or thread count (checked on every connection).
-A child computes what the job's own process computes (tests/test_prefork.py compares the
+A child computes what the job's own process computes (tests/launch/test_prefork.py compares the
 outputs byte for byte); Snakemake's benchmark files still time the whole job, but their memory
 and CPU columns see only the waiting process (`RESULTS/logs/prefork.log` lists each job run).
 

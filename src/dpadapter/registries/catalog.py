@@ -9,7 +9,7 @@ read from `catalog.json` beside this file, a manifest derived from the live regi
 Correctness does not depend on remembering to regenerate it: the manifest records the sha256
 of the sources it was derived from (`SOURCES`); when that does not match the files on disk,
 the live registries are imported instead (slow but right) and a warning, once a process, says
-how to regenerate. `tests/test_catalog.py` fails on a manifest that differs from the live
+how to regenerate. `tests/registries/test_catalog.py` fails on a manifest that differs from the live
 registries, so a stale one never lands.
 
 What the manifest holds, per registry:

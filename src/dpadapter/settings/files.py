@@ -24,7 +24,7 @@ What already does the job, and why the rest is kept (weighed against issue 38):
   (`dpadapter.workflow.fingerprint`)
   read; removing a key is Hydra's command-line override (`~key`), not something a file says;
   and it would be one more import in the workflow's parse, which is kept light
-  (tests/test_light_parse.py).
+  (tests/workflow/test_light_parse.py).
 - Duplicate keys: PyYAML, like Snakemake's loader, keeps the later of two equal keys without a
   word (`epsilons:` written twice would run a grid nobody asked for); `key_lines` refuses them,
   naming both lines, and JSON objects are read with a hook that refuses them.

@@ -1,6 +1,6 @@
 """MLflow: one run per training job, safe when many jobs start at once; never stops a job.
 
-A job's whole view of tracking (dpadapter.ground.job.training_job)::
+A job's whole view of tracking (dpadapter.train.job.training_job)::
 
     job = tracking.job(cfg, stage, wildcards)           # its run's name, tags and group run
     with tracking.start_run(cfg.tracking, job.name, job.tags, results_dir=cfg.results_dir,

@@ -21,14 +21,15 @@ of the pipeline in the middle of a run.
 
 Checked on the Snakemake versions in `CHECKED_ON` (requirements.txt pins one of them);
 `check_version` refuses any other minor release before the workflow reads anything, with what to
-do. To admit a new release: run tests/test_snakemake_adapter.py under it, and add it here.
+do. To admit a new release: run tests/workflow/test_snakemake_adapter.py under it, and add it here.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-# Every release this module was checked on (tests/test_snakemake_adapter.py): its patch releases
+# Every release this module was checked on (tests/workflow/test_snakemake_adapter.py): its patch
+# releases
 # are admitted too, nothing else.
 CHECKED_ON = ("9.27.1",)
 
@@ -56,7 +57,7 @@ def check_version(version: str | None = None) -> str:
             f"({', '.join(CHECKED_ON)}): the workflow reads a few of Snakemake's internals "
             f"(listed in {__file__}), which may have moved. Install the pinned version "
             "(`make setup`, requirements.txt), or check each of them under "
-            f"{version} (tests/test_snakemake_adapter.py) and add it to CHECKED_ON."
+            f"{version} (tests/workflow/test_snakemake_adapter.py) and add it to CHECKED_ON."
         )
     return version
 

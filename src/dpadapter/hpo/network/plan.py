@@ -32,7 +32,7 @@ def read_json(path: Path) -> dict:
 
 
 def write_json(path: Path, payload: dict) -> None:
-    from dpadapter.ground.job import write_json
+    from dpadapter.train.job import write_json
 
     write_json(path, payload)
 

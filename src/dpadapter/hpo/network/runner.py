@@ -138,10 +138,10 @@ def train_config(
     taking fewer steps than calibrated runs a prefix of that schedule.
     """
     from dpadapter.data import public_train
-    from dpadapter.ground.job import seed_everything
     from dpadapter.models import replace_head
     from dpadapter.train.checkpoint import load_model
     from dpadapter.train.dp_fit import FitSettings, dp_fit
+    from dpadapter.train.job import seed_everything
 
     calibrated_steps = calibrated_steps or config.steps
     if config.steps > calibrated_steps:
