@@ -300,7 +300,7 @@ def test_a_server_that_cannot_fork_safely_refuses_by_name(hazard, tmp_path):
     """The server checks before every fork that CUDA is not initialised in it and that it runs
     one Python thread; otherwise the job runs in its own process and is told why."""
     path = str(tmp_path / "jobs.sock")
-    serve = f"from dpadapter import prefork\nprefork.serve({path!r}, {os.getpid()}, 60)"
+    serve = f"from dpadapter.launch import prefork\nprefork.serve({path!r}, {os.getpid()}, 60)"
     code = f"{_HAZARDS[hazard]}\n{serve}"
     log = open(tmp_path / "server.log", "wb")  # noqa: SIM115
     srv = subprocess.Popen([sys.executable, "-c", code], env=_env(), stdout=log, stderr=log)
