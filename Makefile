@@ -105,13 +105,13 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check src tests bench
 
 bench: setup
-	$(BIN)/python bench/dp_step.py
+	$(BIN)/python bench/cpu/dp_step.py
 
 # Where the time of $(CONFIG)'s finished run went: per rule, wall per job (Snakemake benchmark
 # files) against the training time inside it (metrics.json), and one timed dry run of the config
 # (docs/speed.md). Reads the results, writes nothing there.
 overhead: $(STAMP)
-	$(BIN)/python bench/overhead.py $(RESULTS) --dry-run-config $(CONFIG)
+	$(BIN)/python bench/cpu/overhead.py $(RESULTS) --dry-run-config $(CONFIG)
 
 # The MLflow UI over the runs of $(CONFIG) (its results folder's store unless MLFLOW_TRACKING_URI
 # or tracking.uri say otherwise), opened on the config's experiment in the "DP runs" view; with a

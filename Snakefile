@@ -10,9 +10,9 @@
 #   audit     empirical privacy audit, one canary run per algorithm x eps (`snakemake audit`)
 #   report    every table and figure that exists, as pages of the Snakemake report (`make report`)
 
-from dpadapter import snakemake_adapter as _smk
+from dpadapter.workflow import snakemake_adapter as _smk
 
-# The few Snakemake internals the workflow reads all go through dpadapter.snakemake_adapter,
+# The few Snakemake internals the workflow reads all go through dpadapter.workflow.snakemake_adapter,
 # which stops here, saying what to do, under a Snakemake it was not checked on.
 _smk.check_version()
 

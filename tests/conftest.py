@@ -41,7 +41,7 @@ def _empty_mlflow_store(tmp_path_factory) -> Path:
     on a busy disk: a commit each); the in-process stage tests each start from a copy instead
     (`empty_mlflow_store`).
     The race on creating a store is tested on its own (tests/cluster/test_mlflow_load.py).
-    None where MLflow is not installed (a bare GPU image: bench/gpu_session.sh runs the CUDA
+    None where MLflow is not installed (a bare GPU image: bench/gpu/gpu_session.sh runs the CUDA
     tests there), where tracking switches itself off (`tracking.enabled: auto`).
     """
     try:
@@ -79,15 +79,16 @@ class ForkServers(NamedTuple):
 
 @pytest.fixture(scope="session")
 def _fork_servers(tmp_path_factory) -> ForkServers:
-    """Fork servers (`dpadapter.prefork`) for 1 and 2 threads, started once per xdist worker.
+    """Fork servers (`dpadapter.launch.prefork`) for 1 and 2 threads, started once per xdist worker.
 
     Each Snakemake run of the workflow starts servers of its own, which import torch, Opacus
     and MLflow (~5 s of CPU each, two per run); the end-to-end tests make a few dozen runs. A
     run finds these in `DPADAPTER_PREFORK` (`shared_fork_servers`) and uses them instead
-    (`prefork.inherited`); its jobs are forked exactly as from its own (tests/test_prefork.py).
+    (`prefork.inherited`); its jobs are forked exactly as from its own
+    (tests/launch/test_prefork.py).
     The tiny pipeline's test keeps starting its own, and checks that it does.
     """
-    from dpadapter import prefork
+    from dpadapter.launch import prefork
 
     log = tmp_path_factory.mktemp("fork-servers") / "prefork.log"
     started = (prefork.start(sys.executable, log, threads=k, idle_seconds=7200) for k in (1, 2))
@@ -99,7 +100,7 @@ def _fork_servers(tmp_path_factory) -> ForkServers:
 @pytest.fixture
 def shared_fork_servers(_fork_servers, monkeypatch) -> ForkServers:
     """The worker's fork servers in this test's environment (its Snakemake runs use them)."""
-    from dpadapter import prefork
+    from dpadapter.launch import prefork
 
     if _fork_servers.env:
         monkeypatch.setenv(prefork.ENV, _fork_servers.env)
@@ -110,7 +111,7 @@ def shared_fork_servers(_fork_servers, monkeypatch) -> ForkServers:
 def module_fork_servers(_fork_servers) -> Iterator[ForkServers]:
     """`shared_fork_servers` for a whole module, its module-scoped runs included
     (`pytestmark = pytest.mark.usefixtures("module_fork_servers")`)."""
-    from dpadapter import prefork
+    from dpadapter.launch import prefork
 
     with pytest.MonkeyPatch.context() as mp:
         if _fork_servers.env:

@@ -24,9 +24,9 @@ FILE_SECONDS = {
     "tests/cluster/test_dvc.py": 59,
     "tests/cluster/test_mlflow_load.py": 49,
     "tests/workflow/test_dpsat_table3.py": 100,  # alone, loaded; the whole run since h36
-    "tests/test_supervise.py": 36,  # alone, loaded (h36)
+    "tests/launch/test_supervise.py": 36,  # alone, loaded (h36)
     "tests/workflow/test_carry_over.py": 26,  # alone, loaded (h36)
-    "tests/test_tracking.py": 37,
+    "tests/tracking/test_tracking.py": 37,
     "tests/bench/test_gpu_table2.py": 33,
     "tests/workflow/test_experiments.py": 31,
     "tests/cluster/test_slurm_groups.py": 25,
@@ -38,17 +38,18 @@ FILE_SECONDS = {
     "tests/algorithms/test_privacy_suite.py": 19,
     "tests/stages/test_lean_imports.py": 18,
     "tests/bench/test_gpu_paper_timing.py": 18,  # measured alone, session 11
-    "tests/test_prefork.py": 17,
-    "tests/test_config_overlay.py": 15,
+    "tests/launch/test_prefork.py": 17,
+    "tests/settings/test_config_overlay.py": 15,
     "tests/workflow/test_fingerprint.py": 13,
     "tests/train/test_batching.py": 13,
     "tests/stages/test_finetune.py": 13,
-    "tests/test_config_corpus.py": 11,
+    "tests/validation/test_config_corpus.py": 11,
     "tests/hpo/test_network_pipeline.py": 7,
     "tests/federated/test_rule_validity.py": 7,
     "tests/bench/test_gpu_smoke.py": 7,
     "tests/privacy/test_accounting.py": 7,
-    "tests/test_snakemake_adapter.py": 7,  # three real snakemake runs of a two-rule workflow
+    # three real snakemake runs of a two-rule workflow
+    "tests/workflow/test_snakemake_adapter.py": 7,
     "tests/hpo/test_hpo_workflow.py": 6,
     "tests/per_sample/test_precision.py": 6,
     "tests/per_sample/test_bookkeeping.py": 5,

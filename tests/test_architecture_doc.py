@@ -42,7 +42,7 @@ def layer_table(text: str) -> dict[str, int]:
     return table
 
 
-def cli_stages(cli: Path = ROOT / "src" / "dpadapter" / "cli.py") -> set[str]:
+def cli_stages(cli: Path = ROOT / "src" / "dpadapter" / "launch" / "cli.py") -> set[str]:
     """The names of the subcommands `main` registers with `sub.add_parser(...)`."""
     names = set()
     for node in ast.walk(ast.parse(cli.read_text())):
@@ -78,7 +78,7 @@ def test_every_rule_file_and_stage_is_on_the_page(text):
     "old, new",
     [
         ("| 3 | `dpadapter.algorithms` |", "| 4 | `dpadapter.algorithms` |"),  # moved
-        (", `dpadapter.fingerprint` |", " |"),  # left out
+        (", `dpadapter.tracking` |", " |"),  # left out
         ("| 2 | `dpadapter.per_sample` |", "| 2 | `dpadapter.per_sample`, `x.y` |"),
     ],
 )

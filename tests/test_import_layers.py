@@ -1,24 +1,30 @@
 """The import graph of src/dpadapter: layers point down, stages are never imported back, no cycle.
 
 Read from the source (every `import`, including those inside functions: a lazy import is still
-a dependency), so the test needs no torch and sees what a reader sees. The layers, low to high:
+a dependency), so the test needs no torch and sees what a reader sees. Every module lives in a
+folder, and each folder is one layer, low to high:
 
-0. foundation: settings (the config's sections, files and schema), device, tracking, the job
-   harness, tables, plots, the rules' rerun fingerprints
-1. privacy (accounting, calibration, ledger), models, data (its checks too), strategies
+0. the ground floor: `ground` (atomic writes, device, the processes of a job, tables, plots,
+   statistics, params schemas; it imports nothing of the package), `settings` (the config's
+   sections, files, schema, and where a problem's fix belongs), `workflow` (what the rule
+   files read while they parse: identity, rerun fingerprints and numbering, the Snakemake and
+   DVC adapters),
+   `tracking`, `compat`
+1. privacy (accounting, calibration, ledger), models, data (its checks too)
 2. per-sample gradients and clipping (`per_sample`)
 3. algorithms (one DP method per file)
-4. the DP and non-private training loops (`train`)
-5. upstream methods, federated, HPO, audit (experiments built on the loops), and the catalog
-   that reads the registries' names and schemas without torch
-6. entry points: `stages` (and the main grid's checks, `stages.checks`), `cli`, each package's
-   `cli`, and `validation` (composes every feature's checks)
+4. the DP and non-private training loops, the job harness and what a step trains (`train`)
+5. upstream methods, federated, HPO, audit (experiments built on the loops), and `registries`
+   (the catalog that reads the registries' names and schemas without torch)
+6. entry points: `stages` (and the main grid's checks, `stages.checks`), `launch` (the command
+   line, the fork server, the supervisor), each package's `cli`, `validation` (composes every
+   feature's checks and scopes the optional sections to their targets), and `__main__`
 
 Each feature owns its config checks (`<feature>.checks`); no feature imports another's, and only
-the composers (`validation`, and `sections`, which scopes them to a target) read several.
-Each folder of src/dpadapter is one layer (a package registered inside another folder must
-have that folder's layer), so that following a name through the folders, as a reader does,
-never climbs back up.
+the composers (`validation.compose`, and `validation.optional_sections`, which scopes them to a
+target) read several. The package root holds only `__init__` and `__main__`, so a module's
+folder says its layer, and following a name through the folders, as a reader does, never climbs
+back up.
 """
 
 from __future__ import annotations
@@ -33,26 +39,13 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 LAYERS: dict[str, int] = {
     "dpadapter": 0,
     "dpadapter.compat": 0,
-    "dpadapter.atomic": 0,
+    "dpadapter.ground": 0,
     "dpadapter.settings": 0,
-    "dpadapter.param_schema": 0,
-    "dpadapter.device": 0,
-    "dpadapter.distributed": 0,
-    "dpadapter.stats": 0,
-    "dpadapter.tables": 0,
-    "dpadapter.identity": 0,
+    "dpadapter.workflow": 0,
     "dpadapter.tracking": 0,  # its rooms too, in the order of TRACKING_ORDER below
-    "dpadapter.job": 0,
-    "dpadapter.plots": 0,
-    "dpadapter.dvc_sync": 0,
-    "dpadapter.fingerprint": 0,
-    "dpadapter.problems": 0,
-    "dpadapter.reruns": 0,
-    "dpadapter.snakemake_adapter": 0,
     "dpadapter.privacy": 1,
     "dpadapter.models": 1,
     "dpadapter.data": 1,
-    "dpadapter.strategies": 1,
     "dpadapter.per_sample": 2,
     "dpadapter.algorithms": 3,
     "dpadapter.train": 4,
@@ -60,18 +53,15 @@ LAYERS: dict[str, int] = {
     "dpadapter.federated": 5,
     "dpadapter.hpo": 5,
     "dpadapter.audit": 5,
-    "dpadapter.catalog": 5,
+    "dpadapter.registries": 5,
     "dpadapter.stages": 6,
-    "dpadapter.cli": 6,
-    "dpadapter.__main__": 6,
-    "dpadapter.prefork": 6,
-    "dpadapter.supervise": 6,
     "dpadapter.validation": 6,
-    "dpadapter.sections": 6,
+    "dpadapter.launch": 6,
+    "dpadapter.__main__": 6,
 }
 ENTRY = 6
 # The modules that compose the features' checks (`<feature>.checks`).
-COMPOSERS = ("dpadapter.validation", "dpadapter.sections")
+COMPOSERS = ("dpadapter.validation.compose", "dpadapter.validation.optional_sections")
 
 
 def modules(src: Path = SRC) -> dict[str, Path]:
@@ -241,6 +231,32 @@ def test_each_folder_is_one_layer():
         assert layer(m) == layer(folder(m)) or m.endswith(".cli"), m
 
 
+def root_modules(mods) -> list[str]:
+    """The modules that lie loose in the package root (not in a folder)."""
+    return sorted(m for m in mods if m.count(".") == 1 and not (SRC / m.replace(".", "/")).is_dir())
+
+
+def test_the_root_holds_only_init_and_main():
+    """Every module sits in a folder that names its layer; the root keeps the package's
+    `__init__` and `python -m dpadapter`'s `__main__`, and the table names folders only."""
+    assert root_modules(GRAPH) == ["dpadapter.__main__"]
+    assert sorted(p for p in LAYERS if p != folder(p)) == []
+    assert {folder(m) for m in GRAPH} == set(LAYERS)
+
+
+def test_the_ground_floor_imports_nothing_of_the_package():
+    """`ground/` is what every folder may stand on, the config's own included: it imports only
+    its own rooms, so no folder of layer 0 leads back into another through it."""
+    bad = sorted(
+        f"{m} imports {t}"
+        for m, ts in GRAPH.items()
+        if folder(m) == "dpadapter.ground"
+        for t in ts
+        if folder(t) != "dpadapter.ground"
+    )
+    assert bad == []
+
+
 def test_following_the_algorithm_from_finetune_never_climbs_back_up():
     """From the fine-tuning stage through `train`, `algorithms` and `per_sample` to
     `privacy`, every step goes down (or stays in) a layer, folder by folder."""
@@ -248,6 +264,24 @@ def test_following_the_algorithm_from_finetune_never_climbs_back_up():
     passed = {folder(m) for m in reachable(GRAPH, start)}
     assert {"dpadapter.train", "dpadapter.algorithms", "dpadapter.per_sample"} <= passed
     assert folder_climbs(GRAPH, start) == []
+
+
+def algorithm_walk(graph: dict[str, set[str]]) -> list[str]:
+    """The folders the algorithms' own imports lead into, at or above `train` (the loops that
+    call them): an algorithm that reads `train.progress` or `train.resume` climbs back up."""
+    return sorted(
+        f"{m} reaches {folder(t)}"
+        for m in graph
+        if folder(m) == "dpadapter.algorithms"
+        for t in reachable(graph, m)
+        if layer(folder(t)) > LAYERS["dpadapter.algorithms"]
+    )
+
+
+def test_the_algorithms_walk_never_reaches_the_loops():
+    """What an algorithm imports, directly or not, lies at its layer or below."""
+    assert len([m for m in GRAPH if folder(m) == "dpadapter.algorithms"]) >= 7
+    assert algorithm_walk(GRAPH) == []
 
 
 def test_privacy_imports_no_training_code():
@@ -270,7 +304,7 @@ def test_validation_composes_every_features_checks():
     """A checks module that `validation` does not import is never run before a job starts."""
     owned = {m for m in GRAPH if m.endswith(".checks")}
     assert len(owned) >= 6  # data, stages, upstream, hpo, federated, audit
-    assert owned - GRAPH["dpadapter.validation"] == set()
+    assert owned - GRAPH["dpadapter.validation.compose"] == set()
 
 
 # Inside tracking, each room imports only the rooms listed before it (`ui` is `make mlflow`'s),
@@ -309,6 +343,8 @@ def test_no_import_cycle():
         ({"dpadapter.audit.stage": {"dpadapter.data.checks"}}, foreign_checks),
         ({"dpadapter.tracking.run": {"dpadapter.tracking.ui"}}, tracking_climbs),
         ({"dpadapter.tracking.store": {"dpadapter.tracking"}}, tracking_climbs),
+        ({"dpadapter.algorithms.base": {"dpadapter.train.progress"}}, algorithm_walk),
+        ({"dpadapter.algorithms.dpsat": {"dpadapter.train.resume"}}, algorithm_walk),
     ],
 )  # fmt: skip
 def test_the_checks_find_a_planted_violation(planted, check):
@@ -325,3 +361,12 @@ def test_the_folder_checks_find_a_planted_violation():
     graph = {m: set(ts) for m, ts in GRAPH.items()}
     graph["dpadapter.per_sample.clip"] |= {"dpadapter.train.batching"}
     assert folder_climbs(graph, "dpadapter.stages.finetune")
+    # the walk the issue found: an algorithm that reads the loop's progress lines
+    graph = {m: set(ts) for m, ts in GRAPH.items()}
+    graph["dpadapter.algorithms.base"] |= {"dpadapter.train.progress"}
+    assert folder_climbs(graph, "dpadapter.stages.finetune")
+    # a module loose in the root again
+    assert root_modules({**GRAPH, "dpadapter.atomic": set()}) == [
+        "dpadapter.__main__",
+        "dpadapter.atomic",
+    ]

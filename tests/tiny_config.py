@@ -53,7 +53,7 @@ TINY_RAW = {
     "tracking": {"experiment": "tests"},
 }
 
-# The network regime of the linear-scaling HPO at tiny size (tests/hpo, tests/distributed).
+# The network regime of the linear-scaling HPO at tiny size (tests/hpo, tests/ground/distributed).
 TINY_HPO = {
     "regime": "network",
     "upstreams": ["scratch"],

@@ -7,7 +7,7 @@ A table lives between `<!-- options:begin NAME -->` and `<!-- options:end -->` i
 docs/. NAME is a config key (`hpo`, `pretrain.params`) or `top` (the top-level scalars); the
 table lists NAME and every key below it, except those under a more specific NAME that has a
 table of its own. Types, allowed values and descriptions come from the schema the workflow
-validates with (`dpadapter.validation.full_schema`: the file plus every registered method's and
+validates with (`dpadapter.validation.compose.full_schema`: the file plus every registered method's and
 algorithm's params); defaults from the dataclasses and the registries' `default_params()`, which
 is where the code takes them from. Hand-written tables drift from the schema as keys move; these
 are checked against it by tests/tools/test_schema_docs.py.
@@ -215,7 +215,7 @@ def _cell(text: str) -> str:
 def rows(schema: dict[str, Any] | None = None) -> list[Row]:
     """A row for every key of the schema, parents first, in the schema's order."""
     if schema is None:
-        from dpadapter.validation import full_schema
+        from dpadapter.validation.compose import full_schema
 
         schema = full_schema()
     known = defaults()

@@ -11,24 +11,25 @@ through closed handles (atomic renames), so nothing buffered is lost. An excepti
 the normal way, with its traceback. `DPADAPTER_FULL_EXIT=1` restores the normal exit.
 
 In a local Snakemake run the job is run by a child of the workflow's preforked server, which
-has imported torch, Opacus and MLflow once for all jobs (`dpadapter.prefork`); this process then
+has imported torch, Opacus and MLflow once for all jobs (`dpadapter.launch.prefork`); this process
+then
 only waits for it. Without a server (a cluster job, `DPADAPTER_PREFORK=0`) it forks before
 importing torch and its child runs the job, so that a job killed for memory is reported by the
-waiting parent (`dpadapter.supervise`).
+waiting parent (`dpadapter.launch.supervise`).
 """
 
 import os
 import sys
 
-from dpadapter.prefork import delegate, finish_process
-from dpadapter.supervise import supervise
+from dpadapter.launch.prefork import delegate, finish_process
+from dpadapter.launch.supervise import supervise
 
 _delegated = delegate(sys.argv[1:])
 if _delegated is not None:
     os._exit(_delegated)
 supervise(sys.argv[1:])  # the parent waits for the child and exits with its status here
 
-from dpadapter.cli import main  # noqa: E402  (only where no server runs the job)
+from dpadapter.launch.cli import main  # noqa: E402  (only where no server runs the job)
 
 
 def _exit_without_teardown(code: int) -> None:

@@ -1,4 +1,5 @@
-"""The benchmark scripts in bench/ are not a package: tests import them by file name."""
+"""The benchmark scripts in bench/cpu and bench/gpu are not packages: tests import them by file
+name."""
 
 from __future__ import annotations
 
@@ -7,11 +8,14 @@ import sys
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
+# the GPU session's checks and the CPU benchmarks, one folder each
+FOLDERS = (BENCH / "cpu", BENCH / "gpu")
 
 
 def import_bench(name: str):
-    sys.path.insert(0, str(BENCH))
+    (folder,) = [f for f in FOLDERS if (f / f"{name}.py").is_file()]
+    sys.path.insert(0, str(folder))
     try:
         return importlib.import_module(name)
     finally:
-        sys.path.remove(str(BENCH))
+        sys.path.remove(str(folder))

@@ -1,4 +1,4 @@
-"""bench/accountant_memo.py: it times the three variants and refuses when one gives another
+"""bench/cpu/accountant_memo.py: it times the three variants and refuses when one gives another
 number (a memo that returned a neighbour's value would be caught there too)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""bench/bk_equivalence.py on small inputs: the shipped configs' models are found, bk's clipped
+"""bench/cpu/bk_equivalence.py on small inputs: the shipped configs' models are found, bk's clipped
 sum matches ew's and torch.func's on the embedded CNN (the bench itself covers every model,
 ViTs included), and a wrong clip factor is caught."""
 

@@ -1,4 +1,4 @@
-"""bench/ddp_step.py runs (tiny, two gloo processes) and reports the all-reduce's share."""
+"""bench/cpu/ddp_step.py runs (tiny, two gloo processes) and reports the all-reduce's share."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def test_the_benchmark_times_one_and_two_processes(tmp_path):
     args = ["--procs", "1", "2", "--model", "cnn-gn", "--batch", "16", "--steps", "1"]
-    cmd = [sys.executable, str(REPO / "bench/ddp_step.py"), *args, "--out", str(tmp_path)]
+    cmd = [sys.executable, str(REPO / "bench/cpu/ddp_step.py"), *args, "--out", str(tmp_path)]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     rows = json.loads((tmp_path / "ddp_step.json").read_text())["rows"]

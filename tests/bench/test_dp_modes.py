@@ -1,6 +1,6 @@
 """The clipping-mode benchmark's own correctness gate runs in CI (timings there mean nothing).
 
-`bench/dp_modes.py` refuses to report a ratio for a mode whose clipped sum differs from the
+`bench/cpu/dp_modes.py` refuses to report a ratio for a mode whose clipped sum differs from the
 per-example loop; this runs that check for every mode on the embedded CNN (every registered model
 is checked against the same kind of loop in tests/per_sample/test_bookkeeping.py), and shows that
 a wrong clipped sum makes it fail.

@@ -1,4 +1,4 @@
-"""bench/everyday.py: old beside new, its table from each revision's timed commands (the
+"""bench/cpu/everyday.py: old beside new, its table from each revision's timed commands (the
 commands themselves replaced: the real ones take 45 minutes)."""
 
 from __future__ import annotations

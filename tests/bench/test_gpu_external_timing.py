@@ -1,4 +1,4 @@
-"""bench/gpu_external_timing.py runs (tiny shapes on the CPU): a row per mode and precision with
+"""bench/gpu/gpu_external_timing.py runs (tiny shapes on the CPU): a row per mode and precision with
 a positive time per step and its projection, in the JSON it writes."""
 
 import json

@@ -1,4 +1,4 @@
-"""bench/gpu_paper_timing.py times DP steps through the pipeline's own per-sample wrapper.
+"""bench/gpu/gpu_paper_timing.py times DP steps through the pipeline's own per-sample wrapper.
 
 It once handed the config's mode to Opacus' `wrap_model`, which knows no `bk` (the default), and
 crashed before writing anything. Here: the paper config's own mode (bk), on the CPU at a tiny

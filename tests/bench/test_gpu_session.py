@@ -1,4 +1,4 @@
-"""bench/gpu_session.sh --dry-run: the one GPU command, every step at tiny size on the CPU.
+"""bench/gpu/gpu_session.sh --dry-run: the one GPU command, every step at tiny size on the CPU.
 
 The GPU is lent rarely and briefly; this keeps the command from rotting between loans (as
 `gpu_paper_timing.py` once did). The dry run hides MLflow, as on the bare GPU image, makes one
@@ -29,7 +29,8 @@ def dry(tmp_path_factory):
     env = {**os.environ, "PYTHON": sys.executable}
     env.pop("MLFLOW_TRACKING_URI", None)
     p = subprocess.run(
-        ["bash", str(REPO / "bench/gpu_session.sh"), "--dry-run", str(out), "--work", str(work)],
+        ["bash", str(REPO / "bench/gpu/gpu_session.sh"), "--dry-run", str(out),
+         "--work", str(work)],
         capture_output=True, text=True, env=env, timeout=400,
     )  # fmt: skip
     return p, out, work

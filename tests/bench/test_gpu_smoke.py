@@ -1,4 +1,4 @@
-"""Every check of bench/gpu_smoke.py can fail: each fails on the CPU with its bug planted.
+"""Every check of bench/gpu/gpu_smoke.py can fail: each fails on the CPU with its bug planted.
 
 The GPU smoke passes only if its checks hold on CUDA; a check that cannot fail would let the
 first GPU run pass whatever the CUDA path does. Runs are small (1000 examples of 16x16, a
@@ -101,7 +101,7 @@ def test_finite_check_sees_nan_weights(smoke):
 
 
 def test_repeat_check_sees_an_unseeded_noise_generator(smoke, cfg, monkeypatch):
-    from dpadapter import device as devices
+    from dpadapter.ground import device as devices
 
     fresh = itertools.count(1)
     real = devices.generator

@@ -1,4 +1,4 @@
-"""bench/gpu_table2.py runs one cell through the stage entry points, without Snakemake.
+"""bench/gpu/gpu_table2.py runs one cell through the stage entry points, without Snakemake.
 
 On CPU with the tiny synthetic config and a made-up reference table: the cell's line shows our
 accuracy beside the paper's number with wall time, s/step and the (absent) GPU memory; the
@@ -38,7 +38,7 @@ def test_one_cell_without_snakemake(tiny_raw, tmp_path):
         "PYTHONPATH": str(REPO / "src"),
         "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlruns.db'}",
     }
-    cmd = [sys.executable, str(REPO / "bench" / "gpu_table2.py"), "--config", str(config)]
+    cmd = [sys.executable, str(REPO / "bench" / "gpu" / "gpu_table2.py"), "--config", str(config)]
     cmd += ["--algo", "dpsgd", "--eps", "1", "--out", str(tmp_path / "out")]
     first = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True)
     assert first.returncode == 0, first.stderr[-3000:]

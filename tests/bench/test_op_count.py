@@ -1,4 +1,4 @@
-"""bench/op_count.py: the dispatched ops of one step per mode (issue 47, item 1)."""
+"""bench/cpu/op_count.py: the dispatched ops of one step per mode (issue 47, item 1)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""bench/overhead.py on a hand-made results tree: figures, gaps, errors, and its rule table
+"""bench/cpu/overhead.py on a hand-made results tree: figures, gaps, errors, and its rule table
 against the workflow's `benchmark:` directives (a rule added or moved there must show up here)."""
 
 from __future__ import annotations

@@ -101,7 +101,7 @@ def _descendants(pid: int) -> list[int]:
 
 def _job_processes(root: int, algo: str) -> list[int]:
     """The processes of one fine-tuning job under Snakemake: its shell, `python -m dpadapter`
-    and the child that trains (dpadapter.supervise)."""
+    and the child that trains (dpadapter.launch.supervise)."""
     found = []
     for pid in _descendants(root):
         try:

@@ -11,7 +11,7 @@ from dpadapter.data import DATASET_INFO, DatasetUnavailable, build_splits, load_
 from dpadapter.data import imagefolder as imf
 from dpadapter.data.registry import cache_path, missing_files
 from dpadapter.settings import ConfigError
-from dpadapter.validation import validate
+from dpadapter.validation.compose import validate
 
 NAME = "imagefolder:pics/tiny@8"
 # class -> (colour, train images, val images); folders listed out of order on purpose

@@ -109,7 +109,7 @@ def test_grey_roles_replicated_to_rgb_and_mismatches_refused_before_any_job(
     the grey value in each channel (then normalises per channel with public statistics); a
     role whose channels differ from the public set's is refused at validation, naming the key."""
     from dpadapter.settings import ConfigError
-    from dpadapter.validation import validate
+    from dpadapter.validation.compose import validate
 
     monkeypatch.chdir(tmp_path)
     _, grey = build_splits(from_dict(tiny_raw), ["syn-same"])

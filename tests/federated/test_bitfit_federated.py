@@ -8,7 +8,7 @@ from fed_helpers import make_data, make_gsm
 from dpadapter.federated.simulation import Client, Federation, MechanismRun
 from dpadapter.models import get_head_params
 from dpadapter.settings import from_dict
-from dpadapter.strategies import get_strategy
+from dpadapter.train.strategies import get_strategy
 
 
 def _bitfit_names(model) -> set[str]:

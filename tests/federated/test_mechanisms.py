@@ -14,7 +14,7 @@ from dpadapter.federated.mechanisms import (
 from dpadapter.federated.simulation import Client, Federation, MechanismRun
 from dpadapter.federated.stage import estimate_sigma
 from dpadapter.privacy import Segment, epsilon_from_history, pld_epsilon
-from dpadapter.strategies import get_strategy
+from dpadapter.train.strategies import get_strategy
 
 
 def test_laplace_noise_scale_matches_theorem_1():

@@ -24,7 +24,7 @@ from dpadapter.federated.estimate import (
 )
 from dpadapter.federated.mechanisms import make_ledger
 from dpadapter.privacy import randomness
-from dpadapter.strategies import apply_phase
+from dpadapter.train.strategies import apply_phase
 
 C = RuleConstants(G1_sq=0.4, G2_sq=0.6, Lambda1_sq=0.05, Lambda2_sq=0.08, L=3.0, Gamma=0.2)
 SIZES = [120, 300, 80, 500]

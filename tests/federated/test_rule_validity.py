@@ -15,9 +15,9 @@ from dpadapter.federated.estimate import (
 )
 from dpadapter.federated.stage import estimate_points
 from dpadapter.federated.summary import baselines, rule_report
+from dpadapter.ground.stats import binomial_interval, t_interval
 from dpadapter.privacy import Segment, epsilon_from_history
 from dpadapter.settings import from_dict
-from dpadapter.stats import binomial_interval, t_interval
 
 # every job tracks into tmp_path/mlruns.db: made from a template, not migrated each time
 pytestmark = pytest.mark.usefixtures("empty_mlflow_store")
@@ -170,7 +170,7 @@ def test_rule_job_estimates_along_the_trajectory_within_its_budget(
 
 
 def test_too_many_estimation_points_are_refused_before_any_job(tiny_raw):
-    from dpadapter.validation import ConfigError, validate
+    from dpadapter.validation.compose import ConfigError, validate
 
     fed = {"task": "syn-shift", "rounds": 3, "rounds_sweep": [], "ut_t1": "rule"}
     validate({**copy.deepcopy(tiny_raw), "federated": {**fed, "estimate_points": 3}})

@@ -9,7 +9,7 @@ from torch.utils.data import TensorDataset
 from dpadapter.federated.simulation import Client, Federation, MechanismRun
 from dpadapter.models import create_model, get_head_params
 from dpadapter.settings import ModelConfig
-from dpadapter.strategies import get_strategy
+from dpadapter.train.strategies import get_strategy
 
 NO_CLIP = 1e9
 

@@ -110,7 +110,8 @@ def test_clipped_sum_equals_the_per_example_reference(case, strategy):
 
 
 @pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs a CUDA device (CI has none; bench/gpu_smoke.sh)"
+    not torch.cuda.is_available(),
+    reason="needs a CUDA device (CI has none; bench/gpu/gpu_smoke.sh)",
 )
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_clipped_sum_on_cuda_equals_the_cpu_reference(case):

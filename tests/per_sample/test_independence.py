@@ -197,8 +197,8 @@ def _head_tuning(model: nn.Module, check: bool = True):
     from torch.utils.data import TensorDataset
 
     from dpadapter.algorithms import DPRunSpec
-    from dpadapter.strategies import get_strategy
     from dpadapter.train.dp_fit import FitSettings, dp_fit
+    from dpadapter.train.strategies import get_strategy
 
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(64, 1, 6, 6, generator=g), torch.randint(0, 3, (64,)))

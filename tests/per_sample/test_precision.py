@@ -331,7 +331,7 @@ def test_loss_scale_is_part_of_the_resume_state():
 
 def test_precision_is_validated_before_any_job(tiny_raw):
     from dpadapter.settings import ConfigError
-    from dpadapter.validation import validate
+    from dpadapter.validation.compose import validate
 
     for ok in ("fp32", "bf16", "fp16"):
         tiny_raw["finetune"]["precision"] = ok

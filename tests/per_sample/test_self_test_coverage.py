@@ -15,8 +15,8 @@ from dpadapter.models import create_model, replace_head
 from dpadapter.per_sample import PerSampleCheckError, rules, wrap_for_dp
 from dpadapter.per_sample.self_test import SMALL
 from dpadapter.settings import ModelConfig
-from dpadapter.strategies import every_phase_trains, get_strategy
 from dpadapter.train.dp_fit import FitSettings
+from dpadapter.train.strategies import every_phase_trains, get_strategy
 
 SAMPLE = ((1, 28, 28), torch.float32)
 

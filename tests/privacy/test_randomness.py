@@ -59,7 +59,7 @@ def _secret(tiny_raw):
 
 
 def test_the_mode_is_validated_and_seeded_is_the_default(tiny_raw):
-    from dpadapter.validation import validate
+    from dpadapter.validation.compose import validate
 
     assert from_dict(tiny_raw).privacy.randomness == "seeded"
     validate({**tiny_raw, "privacy": {"randomness": "secret"}})

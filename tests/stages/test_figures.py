@@ -117,7 +117,7 @@ def test_a_mixed_grid_places_what_it_measured_and_names_the_rest(tmp_path):
 def test_a_row_of_panels_per_strategy(tmp_path, monkeypatch):
     """finetune.csv of several tuning strategies: the accuracy-against-ε figure has a row of
     panels per strategy, titled with it; one strategy keeps the one row it always had."""
-    from dpadapter import plots
+    from dpadapter.ground import plots
 
     drawn = []
     monkeypatch.setattr(plots, "_save", lambda fig, out: drawn.append(fig) or out)

@@ -142,7 +142,7 @@ def test_metrics_json_records_each_phase_and_its_released_dim(
     from dataclasses import replace
 
     from dpadapter.models import create_model, replace_head
-    from dpadapter.strategies import released_dim
+    from dpadapter.train.strategies import released_dim
 
     cfg = replace(
         tiny_cfg,

@@ -2,7 +2,7 @@
 MLflow with tracking off, and timm / torchvision only where a timm model is built or a dataset
 decoded. Each check runs in a fresh interpreter and reads its `sys.modules`.
 
-(The config validation a job runs first is left out here: `dpadapter.validation` has its own
+(The config validation a job runs first is left out here: `dpadapter.validation.compose` has its own
 import test.)"""
 
 from __future__ import annotations

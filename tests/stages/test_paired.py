@@ -13,8 +13,8 @@ import json
 import numpy as np
 import pytest
 
+from dpadapter.ground.stats import detectable_difference, paired_interval, pooled_paired
 from dpadapter.stages import aggregate, paired
-from dpadapter.stats import detectable_difference, paired_interval, pooled_paired
 
 CELLS = [("same", 1.0), ("same", 4.0), ("shift", 1.0), ("shift", 4.0)]
 SEEDS = 3

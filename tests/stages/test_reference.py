@@ -2,10 +2,10 @@
 
 import pytest
 
+from dpadapter.ground.tables import write_csv
 from dpadapter.settings import load
 from dpadapter.stages import reference
 from dpadapter.stages.aggregate import COLUMNS
-from dpadapter.tables import write_csv
 
 REPO = __import__("pathlib").Path(__file__).resolve().parents[2]
 

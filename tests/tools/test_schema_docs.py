@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from dpadapter.validation import full_schema
+from dpadapter.validation.compose import full_schema
 
 _PATH = Path(__file__).resolve().parents[2] / "tools" / "schema_docs.py"
 _spec = importlib.util.spec_from_file_location("schema_docs", _PATH)

@@ -42,7 +42,7 @@ def test_adam_first_step_moves_every_coordinate_by_about_lr(tiny_cfg):
 
 
 def test_adam_with_momentum_is_refused(tiny_raw):
-    from dpadapter.validation import validate
+    from dpadapter.validation.compose import validate
 
     raw = copy.deepcopy(tiny_raw)
     raw["finetune"].update(optimizer="adam", momentum=0.9)

@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from dpadapter.algorithms import ALGORITHMS
 from dpadapter.data import build_splits, public_train
-from dpadapter.device import full_fp32
+from dpadapter.ground.device import full_fp32
 from dpadapter.models import create_model, replace_head
 from dpadapter.per_sample import wrap_for_dp
 from dpadapter.settings import ModelConfig
@@ -157,7 +157,7 @@ def test_rows_of_a_pinned_dataset_are_gathered_into_pinned_buffers(kind, monkeyp
     """A dataset left in pinned host memory (too large for the GPU): each batch is gathered
     into a pinned buffer (so its copy is asynchronous), with the rows plain indexing gives.
     Pinning needs CUDA, so the CPU test forces the pinned path and records the buffers."""
-    import dpadapter.device as devices
+    import dpadapter.ground.device as devices
 
     data = TensorDataset(torch.randn(120, 3, 2), torch.arange(120))
     cpu = torch.device("cpu")

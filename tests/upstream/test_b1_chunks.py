@@ -13,7 +13,7 @@ import pytest
 import torch
 from upstream.upstream_helpers import indexed_data, small_model
 
-import dpadapter.device as devices
+import dpadapter.ground.device as devices
 from dpadapter.upstream import UPSTREAMS
 from dpadapter.upstream import perturbed as perturbed_mod
 

@@ -15,7 +15,7 @@ from external_helpers import params_for, save_as, source_model
 from test_external_validation import problems, with_external
 
 from dpadapter.settings import ConfigError, read_raw
-from dpadapter.validation import validate, validate_files
+from dpadapter.validation.compose import validate, validate_files
 
 
 @pytest.fixture
@@ -140,7 +140,7 @@ def test_a_job_checks_only_the_backbone_it_builds(
     costs a job about 0.1 s of CPU, for every other upstream."""
     import json
 
-    from dpadapter import cli
+    from dpadapter.launch import cli
     from dpadapter.upstream.checks import only_backbones
 
     bad = params_for("vit", vit_file, input={"size": 28})

@@ -9,10 +9,10 @@ import pytest
 import torch
 from external_helpers import VIT, params_for, save_as, source_model
 
-from dpadapter.fingerprint import stage_fingerprint
 from dpadapter.settings import ConfigError
 from dpadapter.upstream.resolve import method_class, weights_file
-from dpadapter.validation import validate
+from dpadapter.validation.compose import validate
+from dpadapter.workflow.fingerprint import stage_fingerprint
 
 HUB_REPO = "timm/vit_tiny_patch16_224.augreg_in21k_ft_in1k"
 

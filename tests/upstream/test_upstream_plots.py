@@ -7,7 +7,7 @@ import io
 
 import pytest
 
-from dpadapter import plots
+from dpadapter.ground import plots
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

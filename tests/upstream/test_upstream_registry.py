@@ -43,6 +43,7 @@ def test_the_shared_step_registers_nothing():
 
 
 def test_registry_order_is_unchanged():
-    """The config schema lists `pretrain.params` in registry order (dpadapter.validation)."""
+    """The config schema lists `pretrain.params` in registry order
+    (dpadapter.validation.compose)."""
     order = ["scratch", "standard", "control", "sam", "dpadapter", "dpadapter-ema", "external"]
     assert list(UPSTREAMS) == order

@@ -1,6 +1,7 @@
 """A results folder built before fingerprint version 2 is carried over: its finished
 fine-tuning jobs are not rerun when an upstream is added (the folder's triggers read the
-upstream list its jobs were built with, dpadapter.identity.fingerprint_pins), while a setting
+upstream list its jobs were built with, dpadapter.workflow.identity.fingerprint_pins), while a
+setting
 they read still reruns them."""
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dpadapter.fingerprint import PINNED_UPSTREAMS
-from dpadapter.identity import (
+from dpadapter.settings import from_dict
+from dpadapter.workflow.fingerprint import PINNED_UPSTREAMS
+from dpadapter.workflow.identity import (
     IDENTITY_FILE,
     OVERWRITE_ENV,
     PINS_KEY,
@@ -26,7 +28,6 @@ from dpadapter.identity import (
     record,
     sections,
 )
-from dpadapter.settings import from_dict
 
 # Snakemake runs fork their jobs from the worker's fork servers (tests/conftest.py)
 pytestmark = pytest.mark.usefixtures("module_fork_servers")

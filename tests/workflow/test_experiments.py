@@ -14,8 +14,15 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dpadapter.identity import IDENTITY_FILE, OVERWRITE_ENV, check, config_hash, record, sections
 from dpadapter.settings import from_dict
+from dpadapter.workflow.identity import (
+    IDENTITY_FILE,
+    OVERWRITE_ENV,
+    check,
+    config_hash,
+    record,
+    sections,
+)
 
 # Snakemake runs fork their jobs from the worker's fork servers (tests/conftest.py)
 pytestmark = pytest.mark.usefixtures("module_fork_servers")
@@ -128,7 +135,7 @@ def test_a_config_keeps_its_outputs_and_refuses_to_overwrite_another(tiny_raw, t
 
 
 def test_records_in_a_list_that_gained_a_field_at_its_default_are_unchanged():
-    from dpadapter.identity import _same_but_new_defaults
+    from dpadapter.workflow.identity import _same_but_new_defaults
 
     old = [{"algorithm": "dpsgd", "mean": 80.0}]
     new = [{"algorithm": "dpsgd", "mean": 80.0, "task": None}]
@@ -161,8 +168,8 @@ def test_a_grown_grid_is_the_same_experiment(tiny_raw, tmp_path):
 
 
 def test_the_rerun_trigger_version_of_a_folder(tiny_raw, tmp_path):
-    from dpadapter.fingerprint import CURRENT_VERSION
-    from dpadapter.identity import fingerprint_version
+    from dpadapter.workflow.fingerprint import CURRENT_VERSION
+    from dpadapter.workflow.identity import fingerprint_version
 
     tiny_raw["results_dir"] = str(tmp_path / "new")
     cfg = from_dict(tiny_raw)

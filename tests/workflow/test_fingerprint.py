@@ -1,4 +1,5 @@
-"""The rules' rerun triggers (dpadapter.fingerprint): the same values as the hand-written ones
+"""The rules' rerun triggers (dpadapter.workflow.fingerprint): the same values as the hand-written
+ones
 they replaced (so finished results are not rerun after an upgrade), every new key of a section
 a stage reads reruns it, and a bigger grid reruns nothing already built."""
 
@@ -13,9 +14,9 @@ import pytest
 from snakemake.iocontainers import Wildcards
 from tiny_config import TINY_RAW
 
-from dpadapter.fingerprint import STAGES, stage_fingerprint
 from dpadapter.settings import read_raw
 from dpadapter.upstream.variants import parse_variant
+from dpadapter.workflow.fingerprint import STAGES, stage_fingerprint
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = {"config.yaml": REPO / "config.yaml"} | {
@@ -29,7 +30,8 @@ def _load(name: str) -> dict:
     return read_raw(CONFIGS[name])  # overlays (`base:`) merged, as the workflow sees them
 
 
-# --- The hand-written fingerprints of workflow/rules/*.smk before dpadapter.fingerprint, with
+# --- The hand-written fingerprints of workflow/rules/*.smk before dpadapter.workflow.fingerprint,
+# with
 # --- `config` made an argument. The reference: do not edit.
 
 
@@ -248,7 +250,7 @@ def test_the_fingerprint_module_imports_only_the_stdlib():
     import ast
     import sys
 
-    import dpadapter.fingerprint as mod
+    import dpadapter.workflow.fingerprint as mod
 
     tree = ast.parse(Path(mod.__file__).read_text())
     roots = {
@@ -281,7 +283,7 @@ def test_a_new_folder_reruns_no_finetune_job_when_an_upstream_is_added():
     """Version 2 (a results folder begun by this code) leaves `finetune.upstreams` out of a
     fine-tuning job's trigger; version 1 (a folder built before) keeps it, as its finished jobs
     were built with it, so they are carried over, not rerun."""
-    from dpadapter.fingerprint import CURRENT_VERSION
+    from dpadapter.workflow.fingerprint import CURRENT_VERSION
 
     config = _load("config.yaml")
     grown = copy.deepcopy(config)

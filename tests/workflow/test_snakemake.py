@@ -108,7 +108,7 @@ def test_pipeline_end_to_end_on_tiny_config(tiny_run):
     for p in (wd / "results/finetune").rglob("metrics.json"):
         m = json.loads(p.read_text())
         assert m["privacy"]["epsilon"] <= m["privacy"]["target_epsilon"]
-    # the jobs ran in children of the run's preforked server (dpadapter.prefork), which lists
+    # the jobs ran in children of the run's preforked server (dpadapter.launch.prefork), which lists
     # them; the first may run on its own while the server imports
     forked = (wd / "results/logs/prefork.log").read_text()
     assert forked.count(" finetune ") == 8, forked

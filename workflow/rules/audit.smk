@@ -2,7 +2,7 @@
 # algorithm (and federated-<mechanism> of audit.federated, per client) x audit.epsilons, each
 # turned into a one-run lower bound on epsilon (Steinke, Nasr & Jagielski 2023). Not part of
 # `all`: `snakemake audit` (or `make audit`) builds it.
-# The audit section is validated with the rest of the config (dpadapter.validation).
+# The audit section is validated with the rest of the config (dpadapter.validation.compose).
 from dpadapter.audit.stage import audit_jobs as _audit_jobs
 
 AUDIT_RECORDS = [f"{RESULTS}/audit/{a}/eps{e:g}/audit.json" for a, e in _audit_jobs(CFG)]

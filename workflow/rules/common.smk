@@ -9,16 +9,16 @@ from pathlib import Path
 
 from snakemake.exceptions import WorkflowError
 
-from dpadapter import atomic as _atomic
+from dpadapter.ground import atomic as _atomic
 from dpadapter import settings as _config
-from dpadapter import dvc_sync as _dvc_sync
-from dpadapter import identity as _identity
-from dpadapter import prefork as _prefork
-from dpadapter import sections as _sections
-from dpadapter import snakemake_adapter as _smk
+from dpadapter.workflow import dvc_sync as _dvc_sync
+from dpadapter.workflow import identity as _identity
+from dpadapter.launch import prefork as _prefork
+from dpadapter.validation import optional_sections as _sections
+from dpadapter.workflow import snakemake_adapter as _smk
 from dpadapter import tracking as _tracking
-from dpadapter import validation as _validation
-from dpadapter.fingerprint import stage_fingerprint
+from dpadapter.validation import compose as _validation
+from dpadapter.workflow.fingerprint import stage_fingerprint
 from dpadapter.upstream.resolve import method_class as _method_class
 from dpadapter.upstream.resolve import weights_file as _weights_file
 from dpadapter.upstream.variants import VARIANT_RE
@@ -27,7 +27,7 @@ from dpadapter.upstream.variants import VARIANT_RE
 logging.root.handlers.clear()
 
 # Every check (schema with each method's and algorithm's params schema, registry names, data
-# sizes and files, privacy sanity) lives in dpadapter.validation; see docs/validation.md. The
+# sizes and files, privacy sanity) lives in dpadapter.validation.compose; see docs/validation.md. The
 # user's files (--configfile, else the configfile directive) are read again for duplicate keys
 # and the line of each problem. SystemExit prints the message once, as it is: a WorkflowError
 # would be reported as an error of this file, with its line and a traceback.
@@ -37,9 +37,9 @@ logging.root.handlers.clear()
 # exactly as Snakemake loaded it.
 # The optional sections (hpo, federated, sweeps, audit) never stop `make run`: their problems are
 # said once as a warning (`section_warning`) and stop only their own targets, through
-# `section_guard` in an input of each target rule (dpadapter.sections).
+# `section_guard` in an input of each target rule (dpadapter.validation.optional_sections).
 # What this file reads from Snakemake beyond its public interface comes through _smk
-# (dpadapter.snakemake_adapter), which refuses a Snakemake it was not checked on.
+# (dpadapter.workflow.snakemake_adapter), which refuses a Snakemake it was not checked on.
 _OVERRIDES = _smk.config_overrides(workflow)
 _CONFIG_FILES = _smk.config_files(workflow)
 try:
@@ -81,11 +81,11 @@ PYTHON = sys.executable
 UPSTREAMS = list(CFG.upstreams)
 TASKS = list(CFG.grid_tasks())  # tasks with `grids: false` are for hpo/federated only
 
-# A results folder holds one config's results (dpadapter.identity, docs/experiments.md): say so
+# A results folder holds one config's results (dpadapter.workflow.identity, docs/experiments.md): say so
 # before anything is scheduled when it holds another config's; a real run (onstart below, never
 # a dry run) refuses then unless DPADAPTER_ALLOW_OVERWRITE=1, else records this config.
 _IDENTITY_WARNING = _identity.check(CFG)
-# The folder's rerun-trigger version (dpadapter.fingerprint.CURRENT_VERSION for a new one): a
+# The folder's rerun-trigger version (dpadapter.workflow.fingerprint.CURRENT_VERSION for a new one): a
 # folder built by older code keeps the triggers its finished jobs were built with.
 FP_VERSION = _identity.fingerprint_version(CFG)
 # ... with the upstream list its finished fine-tuning jobs were built with, for version 1
@@ -96,7 +96,7 @@ if _IDENTITY_WARNING:
 
 # `dvc pull` restores files with times in no particular order; outputs that are exactly what
 # dvc.lock records are put back into build order before Snakemake compares times
-# (dpadapter.dvc_sync). A no-op outside a DVC project and inside `dvc repro`.
+# (dpadapter.workflow.dvc_sync). A no-op outside a DVC project and inside `dvc repro`.
 if _smk.is_main_process(workflow):
     _dvc_sync.restore_build_order(RESULTS)
 
@@ -165,15 +165,15 @@ def gpu_job(mem_mb, runtime, gpus=1):
     return {"gpu": gpus, "gpu_jobs": 1, "nodes": 1, "mem_mb": mem_mb, "runtime": runtime}
 
 
-# GPUs of one fine-tuning job: one per process (`finetune.processes`, dpadapter.distributed).
+# GPUs of one fine-tuning job: one per process (`finetune.processes`, dpadapter.ground.distributed).
 # GPUs of a DP training job (fine-tuning, the HPO's trials, final runs and baselines) and of a
-# warm-up or pre-training job: their processes under torchrun (dpadapter.distributed)
+# warm-up or pre-training job: their processes under torchrun (dpadapter.ground.distributed)
 FINETUNE_GPUS = CFG.finetune.processes
 PRETRAIN_GPUS = CFG.pretrain_processes
 
 
 # Inputs of the rules, kept here (the linter wants no functions in rule files). Their `fp`
-# params, the rerun triggers, come from dpadapter.fingerprint.stage_fingerprint.
+# params, the rerun triggers, come from dpadapter.workflow.fingerprint.stage_fingerprint.
 
 
 def pretrain_inputs(wildcards):
@@ -219,7 +219,7 @@ onstart:
     # `tracking.enabled: true` without a working MLflow stops here, before any job.
     _tracking.check(CFG)
     # A local run's jobs start from one process that has imported torch, Opacus and MLflow
-    # (dpadapter.prefork; DPADAPTER_PREFORK=0 turns it off); a cluster's jobs start their own.
+    # (dpadapter.launch.prefork; DPADAPTER_PREFORK=0 turns it off); a cluster's jobs start their own.
     # Not for a run of one job: it would only wait for the server's imports instead of its own.
     if (
         _smk.runs_jobs_locally(workflow)
@@ -241,7 +241,7 @@ onstart:
                 _OWN_SERVERS.extend(_sockets)
 
 
-# Record what a successful run built in dvc.lock, so `dvc push` uploads it (dpadapter.dvc_sync).
+# Record what a successful run built in dvc.lock, so `dvc push` uploads it (dpadapter.workflow.dvc_sync).
 onsuccess:
     _prefork.stop(os.pathsep.join(_OWN_SERVERS))
     if _OWN_SERVERS:

@@ -13,7 +13,7 @@ import math
 from typing import Any
 
 from dpadapter.algorithms.base import DPAlgorithm, register_algorithm
-from dpadapter.param_schema import NON_NEGATIVE, params_object
+from dpadapter.ground.param_schema import NON_NEGATIVE, params_object
 from dpadapter.privacy import Search, Segment, epsilon_from_history, smallest_sigma
 from dpadapter.privacy.accounting import EPS_ERROR, accountant_version
 from dpadapter.privacy.calibration import KEY_VERSION

@@ -29,8 +29,8 @@ from opacus.optimizers import AdaClipDPOptimizer, DPOptimizer
 from torch import nn
 
 from dpadapter.algorithms.base import DPAlgorithm, Release, register_algorithm
-from dpadapter.device import Place
-from dpadapter.param_schema import FRACTION, NON_NEGATIVE, POSITIVE, nullable, params_object
+from dpadapter.ground.device import Place
+from dpadapter.ground.param_schema import FRACTION, NON_NEGATIVE, POSITIVE, nullable, params_object
 from dpadapter.per_sample.clip import clip_factors
 
 

@@ -37,8 +37,8 @@ import torch
 from opacus.optimizers import DPOptimizer
 from torch import nn
 
-from dpadapter.device import Place
-from dpadapter.param_schema import param_errors, params_object
+from dpadapter.ground.device import Place
+from dpadapter.ground.param_schema import param_errors, params_object
 from dpadapter.per_sample.optimizers import dp_optimizer
 from dpadapter.per_sample.precision import Precision
 from dpadapter.privacy import PrivacyLedger, Segment, calibrate_sigma
@@ -129,7 +129,7 @@ class DPAlgorithm:
     # The Opacus optimizer class of the clip and noise phases (a subclass overrides one of them).
     optimizer_class: ClassVar[type[DPOptimizer]] = DPOptimizer
     # Why a job of several processes (`finetune.processes`) may not run it, or None: it may
-    # (the release is summed over the ranks before anything reads it: dpadapter.distributed).
+    # (the release is summed over the ranks before anything reads it: dpadapter.ground.distributed).
     # Config validation reads it from the catalog and refuses such a job before it starts.
     distributed_refusal: ClassVar[str | None] = None
 
@@ -341,7 +341,7 @@ class DPAlgorithm:
         dtype: torch.dtype | None = None,
     ) -> None:
         """Restore `state`; its tensors go to the parameters' `device` and (floating ones)
-        `dtype`, since the stage reads resume states onto the CPU (dpadapter.device.onto)."""
+        `dtype`, since the stage reads resume states onto the CPU (dpadapter.ground.device.onto)."""
         self.sigma = state["sigma"]
         self.precision.load_state_dict(state)
         self.restore(state, Place(device, dtype))

@@ -23,8 +23,8 @@ import torch
 from torch import nn
 
 from dpadapter.algorithms.base import DPAlgorithm, global_norm, param_copies, register_algorithm
-from dpadapter.device import Place
-from dpadapter.param_schema import NON_NEGATIVE, by_epsilon, params_object
+from dpadapter.ground.device import Place
+from dpadapter.ground.param_schema import NON_NEGATIVE, by_epsilon, params_object
 
 
 @register_algorithm("dpsam")

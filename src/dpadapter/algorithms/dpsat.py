@@ -15,8 +15,14 @@ from opacus.optimizers import DPOptimizer
 from torch import nn
 
 from dpadapter.algorithms.base import DPAlgorithm, all_params, global_norm, register_algorithm
-from dpadapter.device import Place
-from dpadapter.param_schema import FRACTION, NON_NEGATIVE, by_epsilon, nullable, params_object
+from dpadapter.ground.device import Place
+from dpadapter.ground.param_schema import (
+    FRACTION,
+    NON_NEGATIVE,
+    by_epsilon,
+    nullable,
+    params_object,
+)
 
 
 @register_algorithm("dpsat")

@@ -27,8 +27,8 @@ from opacus.optimizers.optimizer import _check_processed_flag, _mark_as_processe
 from torch import nn
 
 from dpadapter.algorithms.base import DPAlgorithm, Release, register_algorithm
-from dpadapter.device import Place
-from dpadapter.param_schema import (
+from dpadapter.ground.device import Place
+from dpadapter.ground.param_schema import (
     NON_NEGATIVE_INT,
     POSITIVE,
     POSITIVE_INT,

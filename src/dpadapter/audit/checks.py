@@ -1,13 +1,14 @@
 """The audit's own checks of a config: its `audit` section against the algorithm registry and
 the tasks, then what the section tells alone (`AuditConfig.problems`).
 
-Each problem is a `key: text` line; `dpadapter.validation` composes them, and they stop only
-`make audit` (`dpadapter.problems.OPTIONAL`); the audit's entry point refuses them too (`check`).
+Each problem is a `key: text` line; `dpadapter.validation.compose` composes them, and they stop only
+`make audit` (`dpadapter.settings.problems.OPTIONAL`); the audit's entry point refuses them too
+(`check`).
 """
 
 from __future__ import annotations
 
-from dpadapter import catalog
+from dpadapter.registries import catalog
 from dpadapter.settings import Config
 from dpadapter.settings.errors import invalid
 

@@ -36,7 +36,7 @@ from dpadapter.federated.stage import mechanism_run, plan_noise
 from dpadapter.per_sample import wrap_for_dp
 from dpadapter.privacy import randomness
 from dpadapter.settings import Config
-from dpadapter.strategies import get_strategy
+from dpadapter.train.strategies import get_strategy
 
 
 class FixedSizeClient(Client):

@@ -12,8 +12,8 @@ import math
 import os
 from pathlib import Path
 
-from dpadapter import catalog
 from dpadapter.audit.checks import FEDERATED_PREFIX, check
+from dpadapter.registries import catalog
 from dpadapter.settings import Config
 from dpadapter.settings.grid import grid
 
@@ -49,7 +49,7 @@ def run(cfg: Config, algo: str, eps: float, out_dir: Path) -> dict:
     # here, not at the top: the workflow reads this module's grid (audit_jobs) at parse time
     import torch
 
-    from dpadapter.job import write_json
+    from dpadapter.train.job import write_json
 
     torch.set_num_threads(int(os.environ.get("DPADAPTER_THREADS", torch.get_num_threads())))
     if algo.startswith(FEDERATED_PREFIX):
@@ -86,7 +86,7 @@ def rows(records: list[dict]) -> list[dict]:
 
 
 def markdown(table: list[dict], confidence: float) -> str:
-    from dpadapter.tables import SINGLE, Stat, flagged_cells, how_to_read
+    from dpadapter.ground.tables import SINGLE, Stat, flagged_cells, how_to_read
 
     # One run per cell: each bound is marked n = 1, and a bound that falls as the claim rises is
     # flagged as for accuracy (with one run the drop cannot be told from noise).

@@ -3,6 +3,9 @@
 The registry (`registry`, `sources`, `imagefolder`) declares each dataset's name, class counts
 and file check without importing torch, so the config validation reads them while the workflow
 parses; the task carving (`tasks`), which works on tensors, is imported on first use of its names.
+
+Layer 1: it may import only the ground floor (`ground`, `settings`, `compat`), so the models,
+the loops and the experiments above all read the same tasks.
 """
 
 from dpadapter.data import imagefolder as _imagefolder  # noqa: F401  (registers its family)

@@ -4,7 +4,7 @@ Dataset names against the registry (a `<family>:<spec>` name registered from wha
 holds now), class ids against each dataset's classes, what the roles drawn from one source ask
 of its pools, the channels each role reaches the model with, and (the workflow's
 `check_files`) whether each dataset's files are where the loader looks. Each problem is a
-`key: text` line (`dpadapter.settings.errors`); `dpadapter.validation` composes them.
+`key: text` line (`dpadapter.settings.errors`); `dpadapter.validation.compose` composes them.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
 DEBIAN_FASHION_MNIST = Path("/usr/share/datasets/fashion-mnist")
 # A folder holding the four .gz files where Debian's package is absent (a GPU image without
-# apt, a cluster node): the GPU scripts carry the data there (bench/gpu_env.sh).
+# apt, a cluster node): the GPU scripts carry the data there (bench/gpu/gpu_env.sh).
 FMNIST_ENV = "FMNIST_DIR"
 
 

@@ -50,8 +50,9 @@ class RoleData:
     allocation: Allocation
 
     def to(self, device: torch.device) -> RoleData:
-        """The splits on `device` when they fit there (dpadapter.device.place), else pinned."""
-        from dpadapter.device import place
+        """The splits on `device` when they fit there (dpadapter.ground.device.place), else
+        pinned."""
+        from dpadapter.ground.device import place
 
         if device.type == "cpu":
             return self

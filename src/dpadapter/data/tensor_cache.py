@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from dpadapter import atomic
+from dpadapter.ground import atomic
 
 log = logging.getLogger(__name__)
 

@@ -6,4 +6,7 @@ estimate    private estimates of the theorems' constants and the T1 rule (Theore
 simulation  FedSGD/FedAvg rounds over the clients
 stage       one grid job -> metrics.json; summary: CSV, rule hit rate, figures
 plots       the figures (analogues of the paper's Figs. 1-3)
+
+Layer 5 (an experiment built on the loops): it may import `train` and everything below, and
+the other experiments of its layer, never a stage or an entry point.
 """

@@ -1,8 +1,8 @@
 """The federated stage's own checks of a config: the task and upstreams its `federated`
 section names, then what the section tells alone (`FederatedConfig.problems`).
 
-Each problem is a `key: text` line; `dpadapter.validation` composes them, and they stop only
-`make federated` (`dpadapter.problems.OPTIONAL`).
+Each problem is a `key: text` line; `dpadapter.validation.compose` composes them, and they stop only
+`make federated` (`dpadapter.settings.problems.OPTIONAL`).
 """
 
 from __future__ import annotations

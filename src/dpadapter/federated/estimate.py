@@ -59,7 +59,7 @@ from dpadapter.federated.mechanisms import (
 from dpadapter.models import get_head_params
 from dpadapter.per_sample.clip import clip_factors, per_example_norms
 from dpadapter.privacy import PrivacyLedger
-from dpadapter.strategies import FT, HT, apply_phase
+from dpadapter.train.strategies import FT, HT, apply_phase
 
 if TYPE_CHECKING:
     from dpadapter.federated.simulation import MechanismRun

@@ -26,8 +26,8 @@ from torch.utils.data import TensorDataset
 
 from dpadapter.federated.mechanisms import GAUSSIAN, LAPLACE, LaplaceDPOptimizer, make_ledger
 from dpadapter.privacy import randomness
-from dpadapter.strategies import Schedule, apply_phase
 from dpadapter.train.batching import masked_cross_entropy, pad_batch, padded_size
+from dpadapter.train.strategies import Schedule, apply_phase
 
 
 @dataclass(frozen=True)

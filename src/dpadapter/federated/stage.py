@@ -15,7 +15,6 @@ from pathlib import Path
 import torch
 from torch.utils.data import TensorDataset
 
-from dpadapter import device as devices
 from dpadapter.data import build_splits
 from dpadapter.federated.estimate import (
     RuleConstants,
@@ -36,17 +35,18 @@ from dpadapter.federated.mechanisms import (
 )
 from dpadapter.federated.partition import dirichlet_partition
 from dpadapter.federated.simulation import Client, Federation, MechanismRun
-from dpadapter.job import seed_everything, training_job
+from dpadapter.ground import device as devices
 from dpadapter.models import replace_head
 from dpadapter.models.batchnorm import freeze_batchnorm
 from dpadapter.per_sample import effective_mode, wrap_for_dp
 from dpadapter.privacy import Segment, verify_plan
 from dpadapter.settings import Config
-from dpadapter.strategies import FT, PHASES, apply_phase, get_strategy, released_dims
 from dpadapter.train.batching import wants_padding
 from dpadapter.train.checkpoint import load_model
+from dpadapter.train.job import seed_everything, training_job
 from dpadapter.train.loops import evaluate
 from dpadapter.train.progress import ProgressLine
+from dpadapter.train.strategies import FT, PHASES, apply_phase, get_strategy, released_dims
 
 STRATEGY_NAMES = ("scratch", "ht", "ft", "ut", "bitfit")
 DP_LEVEL_NOTE = (

@@ -17,7 +17,7 @@ import statistics
 from collections import Counter, defaultdict
 from pathlib import Path
 
-from dpadapter.tables import write_csv
+from dpadapter.ground.tables import write_csv
 
 COLUMNS = [
     "strategy",
@@ -105,7 +105,7 @@ def baselines(cells: list[dict], level: float = 0.95) -> dict:
     probability 1/2 whatever the winner. 'better' means the rule's Wilson interval lies above
     the baseline's rate (a one-sided reading of a two-sided 95 % interval).
     """
-    from dpadapter.stats import binomial_interval
+    from dpadapter.ground.stats import binomial_interval
 
     n = len(cells)
     if not n:
@@ -198,7 +198,7 @@ def rule_report(
 
 def _assumption_summary(cells: list[dict]) -> dict:
     """Cells whose rule jobs all met the step-size assumption, and the hit rate on them."""
-    from dpadapter.stats import binomial_interval
+    from dpadapter.ground.stats import binomial_interval
 
     ok = [c for c in cells if c["step_size_holds"] and all(c["step_size_holds"])]
     jobs = [v for c in cells for v in c["step_size_holds"]]
@@ -226,7 +226,7 @@ STRATEGY_LABELS = {
 
 def markdown(rows: list[dict], report: dict) -> str:
     """federated.md: one table per (mechanism, rounds), rows upstream x strategy, columns ε."""
-    from dpadapter.tables import Stat, flagged_cells, how_to_read
+    from dpadapter.ground.tables import Stat, flagged_cells, how_to_read
 
     cells = flagged_cells(
         ((r["mechanism"], r["rounds"], r["upstream"], r["strategy"]), r["epsilon"],
@@ -275,7 +275,7 @@ def run(
     md_path: Path,
 ) -> dict:
     from dpadapter.federated import plots
-    from dpadapter.job import write_json
+    from dpadapter.train.job import write_json
 
     rows, preds = collect(metrics)
     write_csv(rows, csv_path, COLUMNS)

@@ -6,6 +6,9 @@ registered DP algorithm). The core is what both must agree on: `space` (r = lr *
 decompositions, the r(eps) fit), `selection` (private release of each sweep's winner),
 `accounting` (PLD composition of everything released), `seeds` (the seed streams of a
 replicate), `cli` (the stages' entry points) and `jobs` below (what the workflow schedules).
+
+Layer 5 (an experiment built on the loops): it may import `train` and everything below, and
+the other experiments of its layer, never a stage or an entry point.
 """
 
 from dpadapter.settings.grid import grid

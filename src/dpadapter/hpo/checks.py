@@ -1,13 +1,13 @@
 """The HPO's own checks of a config: the names its `hpo` section reads from the rest of the
 config and the registry, then what the section tells alone (`HPOConfig.problems`).
 
-Each problem is a `key: text` line; `dpadapter.validation` composes them, and they stop only
-`make hpo` (`dpadapter.problems.OPTIONAL`).
+Each problem is a `key: text` line; `dpadapter.validation.compose` composes them, and they stop only
+`make hpo` (`dpadapter.settings.problems.OPTIONAL`).
 """
 
 from __future__ import annotations
 
-from dpadapter import catalog
+from dpadapter.registries import catalog
 from dpadapter.settings import Config
 from dpadapter.settings.errors import NOT_METHOD, missing
 

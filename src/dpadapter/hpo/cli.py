@@ -1,6 +1,7 @@
 """`python -m dpadapter --config C hpo <step> ...`: the entry points of workflow/rules/hpo*.smk.
 
-Kept apart from `dpadapter.cli` so that the shared parser only gains one line per hook; nothing
+Kept apart from `dpadapter.launch.cli` so that the shared parser only gains one line per hook;
+nothing
 heavy is imported until a step runs.
 """
 
@@ -127,7 +128,7 @@ def _probe(cfg: Config, a: argparse.Namespace) -> None:
     import json
 
     from dpadapter.hpo.probe import features, oracle, replicate, summary
-    from dpadapter.job import write_json
+    from dpadapter.train.job import write_json
 
     if a.hpo_step == "features":
         p = features.compute(cfg, a.task, a.ckpt, a.out)

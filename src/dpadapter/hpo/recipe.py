@@ -40,7 +40,7 @@ from typing import Any
 
 import yaml
 
-from dpadapter import atomic
+from dpadapter.ground import atomic
 from dpadapter.settings import Config
 from dpadapter.settings import load as load_config
 
@@ -95,11 +95,11 @@ def checkpoint_path(cfg: Config, upstream: str) -> Path:
 
 def proxy_run(cfg: Config, task: str, upstream: str, recipe: dict, eps: float, seed: int) -> dict:
     """One DP-SGD fine-tuning of `upstream` on the proxy with `recipe` at `eps`; accuracies."""
-    from dpadapter.job import seed_everything
     from dpadapter.models import replace_head
     from dpadapter.train.checkpoint import load_model
     from dpadapter.train.dp_fit import FitSettings, dp_fit
     from dpadapter.train.dp_spec import run_spec
+    from dpadapter.train.job import seed_everything
     from dpadapter.train.loops import evaluate
 
     c = with_recipe(cfg, recipe, check=False)

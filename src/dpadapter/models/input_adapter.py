@@ -7,7 +7,7 @@ data stays at its native size in memory (a 32x32 CIFAR task is never stored at 2
 the backbone's channels and normalises, per batch. It has no trainable parameter and reads no
 data, so it costs no privacy and needs no per-example gradient.
 
-When the adapter normalises, the images must reach it in [0, 1]: `dpadapter.validation`
+When the adapter normalises, the images must reach it in [0, 1]: `dpadapter.validation.compose`
 requires `data.normalization` to be the identity (mean 0, std 1) for such a config, so the
 pipeline's own normalisation does not apply twice.
 """

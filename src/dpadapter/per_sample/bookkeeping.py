@@ -39,7 +39,8 @@ Numerics on CUDA: the norms (step 2) and the clipped sum (step 3) come from diff
 Gram product or a per-example gradient against one weight-gradient kernel). Under TF32 their
 inputs are rounded differently, and a clipped example's contribution to the sum could exceed C
 by ~1e-3 relative, i.e. more than the sensitivity the accountant is told. The optimizer's
-clipping (`optimizers`) therefore runs in full FP32 (`dpadapter.device.full_fp32`: TF32 off for
+clipping (`optimizers`) therefore runs in full FP32 (`dpadapter.ground.device.full_fp32`: TF32 off
+for
 matmuls and cuDNN convolutions, the previous flags restored afterwards), so both agree to FP32
 rounding as on the CPU; the model's forward and backward keep TF32 (config `tf32`). Clipping at
 a reduced bound was the alternative; it would need a proven bound on TF32's error for every

@@ -2,7 +2,7 @@
 
 A Conv2d's per-example weight gradient is `g_i^T P_i` (P_i example i's input patches), its
 clipped sum one weight-gradient kernel on the clip-weighted output gradients. Which kernel is
-faster depends on the shapes, measured on this CPU (bench/conv_per_example.py, 2 threads,
+faster depends on the shapes, measured on this CPU (bench/cpu/conv_per_example.py, 2 threads,
 ms, grouped vs im2col + bmm, batch 256 unless said): 3->16 at 32x32 (ResNet20's stem) 17.8 vs
 6.1; 4->16 at 28x28 9.5 vs 6.1; 1->64 (GNResNet-10's stem) 6.6 vs 6.7; 1->32 (DPNAS') 4.8 vs
 3.5; 1->8, batch 200 (the embedded CNN's) 1.28 vs 0.62; but 8->16 at 14x14 0.68 vs 1.43 and

@@ -57,7 +57,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
 
-from dpadapter.device import full_fp32
+from dpadapter.ground.device import full_fp32
 from dpadapter.models.batchnorm import FrozenBatchNorm
 from dpadapter.models.pinned import is_pinned, pin_eval, unpin, unpinned_type
 from dpadapter.per_sample.module_state import (

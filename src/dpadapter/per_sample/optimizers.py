@@ -17,7 +17,8 @@ than the sensitivity the accountant is told (`bookkeeping`'s docstring). The per
 gradients themselves may come from TF32 kernels: the bound holds for whatever vector is
 clipped, as long as the clip is exact.
 
-In a job of several processes (`dpadapter.distributed`) a third mixin, `DistributedNoise`, goes
+In a job of several processes (`dpadapter.ground.distributed`) a third mixin, `DistributedNoise`,
+goes
 in front: its noise phase adds the noise on rank 0 only and sums the ranks' clipped sums in one
 all-reduce before anything reads the release (Opacus' `get_optimizer_class(distributed=True)`
 picks its `DistributedDPOptimizer` the same way; that class reduces after the step hook).
@@ -35,8 +36,8 @@ import torch
 from opacus.optimizers import DPOptimizer
 from torch import nn
 
-from dpadapter import distributed
-from dpadapter.device import full_fp32
+from dpadapter.ground import distributed
+from dpadapter.ground.device import full_fp32
 from dpadapter.per_sample.bookkeeping import BookKeepingModule
 from dpadapter.per_sample.clip import clip_factors, folded_rows_error
 from dpadapter.privacy.randomness import gaussian_noise

@@ -45,7 +45,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dpadapter.device import rng_state, set_rng_state
+from dpadapter.ground.device import rng_state, set_rng_state
 from dpadapter.per_sample.bookkeeping import BookKeepingModule
 
 PRECISIONS = ("fp32", "bf16", "fp16")

@@ -66,7 +66,7 @@ import torch.nn.functional as F
 from opacus.optimizers import DPOptimizer
 from torch import nn
 
-from dpadapter.device import full_fp32
+from dpadapter.ground.device import full_fp32
 from dpadapter.per_sample.module_state import restore_buffers, snapshot_buffers
 from dpadapter.per_sample.reference import Reference, reference
 

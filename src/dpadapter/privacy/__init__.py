@@ -1,4 +1,8 @@
-"""Privacy accounting, noise calibration and the ledger of releases; no training code."""
+"""Privacy accounting, noise calibration and the ledger of releases; no training code.
+
+Layer 1: every mechanism's ε comes from here, so it may import only the ground floor
+(`ground`, `settings`), never models, data or a training loop (tests/test_import_layers.py).
+"""
 
 from dpadapter.privacy.accounting import (
     PrivacyLedger,

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from dpadapter import atomic
+from dpadapter.ground import atomic
 
 # this process's results, by file and key (the file's content can only grow by other jobs'
 # results under other keys: a key's value never changes)

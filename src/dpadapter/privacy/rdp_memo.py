@@ -48,7 +48,7 @@ def info(analysis: ModuleType):
 def bypassed(analysis: ModuleType) -> Iterator[None]:
     """Opacus' own `_compute_rdp` for every value inside, and no memo installed meanwhile: what
     the code computed before the memo, for the comparisons that keep it honest (the tests and
-    `bench/accountant_memo.py`). The memo, and what it holds, is back afterwards."""
+    `bench/cpu/accountant_memo.py`). The memo, and what it holds, is back afterwards."""
     global _bypassed
     memo = getattr(analysis, "_compute_rdp", None)
     analysis._compute_rdp = getattr(memo, "__wrapped__", memo)

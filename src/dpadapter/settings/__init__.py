@@ -10,7 +10,11 @@
   expansion of a job grid.
 
 This package imports no registry (the registries import its dataclasses): the checks that need
-them are each feature's own (`dpadapter.<feature>.checks`), composed by `dpadapter.validation`.
+them are each feature's own (`dpadapter.<feature>.checks`), composed by
+`dpadapter.validation.compose`.
+
+The config's own layer (0): the settings may import only the standard library and the other
+ground-floor folders (`ground`, `workflow`), so the workflow reads them at parse time.
 """
 
 from dpadapter.settings.audit import AuditConfig

@@ -6,7 +6,7 @@ reported by name before any job starts); these dataclasses are what the code rea
 stage never digs into raw dicts and every default lives in one place. Each section checks
 itself (`dpadapter.settings.sections`); checks that need the registries (names, per-method
 params schemas, dataset sizes, privacy sanity) are each feature's own (`<feature>.checks`),
-composed by `dpadapter.validation`, which the workflow and the CLI call.
+composed by `dpadapter.validation.compose`, which the workflow and the CLI call.
 """
 
 from __future__ import annotations
@@ -56,7 +56,9 @@ class Config:
     tracking: TrackingConfig
     results_dir: str = "results"
     seed: int = 0
-    device: str = "auto"  # auto | cpu | cuda[:i]; $DPADAPTER_DEVICE overrides (dpadapter.device)
+    device: str = (
+        "auto"  # auto | cpu | cuda[:i]; $DPADAPTER_DEVICE overrides (dpadapter.ground.device)
+    )
     tf32: bool = True  # TF32 matmuls/convolutions on CUDA
     reference: ReferenceConfig | None = None  # a published table shown beside ours
     hpo: HPOConfig = field(default_factory=HPOConfig)
@@ -159,7 +161,8 @@ def from_dict(raw: dict[str, Any], validate: bool = True) -> Config:
 
 
 def load(path: str | Path, overrides: dict[str, Any] | None = None) -> Config:
-    """Schema-checked and parsed, without the registry checks (`dpadapter.validation.load`)."""
+    """Schema-checked and parsed, without the registry checks
+    (`dpadapter.validation.compose.load`)."""
     raw = read_raw(path, overrides)
     try:
         return from_dict(raw)

@@ -2,8 +2,9 @@
 
 A problem is one line `key: text`, the key dotted as the schema errors spell it
 (`finetune.extra_grids.0.algorithms`), so `dpadapter.settings.lines.locate` and
-`dpadapter.problems.locate` can point it at the file and line that hold the key, and
-`dpadapter.problems.section_of` can tell which section of the pipeline it stands in the way of.
+`dpadapter.settings.problems.locate` can point it at the file and line that hold the key, and
+`dpadapter.settings.problems.section_of` can tell which section of the pipeline it stands in the
+way of.
 """
 
 from __future__ import annotations

@@ -19,11 +19,12 @@ What already does the job, and why the rest is kept (weighed against issue 38):
   refuses a duplicate key too (omry/omegaconf#257). It is not used because what this project
   needs most from the file layer it does not give: the file and line a merged value comes
   from (`key_origins`), which every error message is pointed with (`dpadapter.settings.lines`,
-  `dpadapter.problems`); its merged config is a `DictConfig`, not the plain mapping that
-  Snakemake's `config`, the JSON schema and the rerun fingerprints (`dpadapter.fingerprint`)
+  `dpadapter.settings.problems`); its merged config is a `DictConfig`, not the plain mapping that
+  Snakemake's `config`, the JSON schema and the rerun fingerprints
+  (`dpadapter.workflow.fingerprint`)
   read; removing a key is Hydra's command-line override (`~key`), not something a file says;
   and it would be one more import in the workflow's parse, which is kept light
-  (tests/test_light_parse.py).
+  (tests/workflow/test_light_parse.py).
 - Duplicate keys: PyYAML, like Snakemake's loader, keeps the later of two equal keys without a
   word (`epsilons:` written twice would run a grid nobody asked for); `key_lines` refuses them,
   naming both lines, and JSON objects are read with a hook that refuses them.
@@ -44,7 +45,7 @@ from typing import Any
 
 import yaml
 
-from dpadapter import atomic
+from dpadapter.ground import atomic
 from dpadapter.settings.errors import ConfigError
 
 

@@ -1,7 +1,7 @@
 """Where a key of a merged config is written: the file and line of each key, and a
 ConfigError with each problem line pointed at them (`file:line: key: ...`).
 
-`dpadapter.problems.locate` builds on these to point a problem at the file where its fix
+`dpadapter.settings.problems.locate` builds on these to point a problem at the file where its fix
 belongs (an overlay or its base); `locate` here is the plain rule `load` uses.
 """
 

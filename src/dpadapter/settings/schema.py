@@ -1,7 +1,7 @@
 """The config's JSON schema (`workflow/schemas/config.schema.yaml`) and its errors rendered
 one line per bad key, each starting with the full dotted key (`dpadapter.settings.errors`).
 
-The schema as written knows no registry; `dpadapter.validation.full_schema` plugs each
+The schema as written knows no registry; `dpadapter.validation.compose.full_schema` plugs each
 registered method's and algorithm's params schema into it.
 """
 
@@ -13,7 +13,7 @@ from typing import Any
 
 import yaml
 
-from dpadapter.param_schema import mixed_alternatives
+from dpadapter.ground.param_schema import mixed_alternatives
 from dpadapter.settings.errors import ConfigError
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
@@ -57,7 +57,7 @@ def _schema_message(err: Any) -> list[str]:
 def validate_raw(raw: dict[str, Any], schema: dict[str, Any] | None = None) -> None:
     """Check the raw mapping against the JSON schema; raise ConfigError naming every bad key.
 
-    `schema` defaults to the file as written; `dpadapter.validation` passes it with the
+    `schema` defaults to the file as written; `dpadapter.validation.compose` passes it with the
     registries' params schemas plugged in.
     """
     import jsonschema

@@ -3,8 +3,9 @@
 What a section can tell about itself alone is checked where it is built, in `__post_init__`
 (the pattern of jax_privacy's `training/algorithm_config.py`), or listed by its `problems()` as
 `key: text` lines where a problem must wait for the target that runs the section
-(`dpadapter.problems.blocking`). What needs the registries or another section is checked by the
-feature that owns it (`dpadapter.<feature>.checks`), composed by `dpadapter.validation`.
+(`dpadapter.settings.problems.blocking`). What needs the registries or another section is checked
+by the
+feature that owns it (`dpadapter.<feature>.checks`), composed by `dpadapter.validation.compose`.
 The feature sections (HPO, federated, audit, reference) are in their own modules beside this.
 """
 
@@ -189,7 +190,7 @@ class FinetuneConfig:
     extra_grids: tuple[GridConfig, ...] = ()
     algo_params: dict[str, dict[str, Any]] = field(default_factory=dict)
     algo_params_for: tuple[ParamsFor, ...] = ()
-    strategy: str = "ft"  # dpadapter.strategies: ft (all), ht (head), ut (HT, FT), bitfit
+    strategy: str = "ft"  # dpadapter.train.strategies: ft (all), ht (head), ut (HT, FT), bitfit
     # the tuning strategies of the main grid, an axis like epsilons (empty = `strategy` alone);
     # `strategy`'s jobs keep the plain algorithm folder, the others' are `<algo>+<strategy>`
     strategies: tuple[str, ...] = ()
@@ -197,7 +198,7 @@ class FinetuneConfig:
     # frozen BatchNorms' scale and shift under DP: train (per example) | freeze (models.batchnorm)
     bn_affine: str = "train"
     # processes (GPUs) per fine-tuning job: > 1 runs it under torchrun, data-parallel, with one
-    # Poisson sample, one clipped sum and one noise draw per step (dpadapter.distributed)
+    # Poisson sample, one clipped sum and one noise draw per step (dpadapter.ground.distributed)
     processes: int = 1
 
     def problems(self) -> list[str]:

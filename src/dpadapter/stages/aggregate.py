@@ -7,8 +7,7 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
-from dpadapter.settings import join_folder
-from dpadapter.tables import (
+from dpadapter.ground.tables import (
     NOT_MEASURED,
     Stat,
     absence_note,
@@ -18,6 +17,7 @@ from dpadapter.tables import (
     public_absence,
     write_csv,
 )
+from dpadapter.settings import join_folder
 
 COLUMNS = [
     "upstream",

@@ -1,9 +1,9 @@
 """The main grid's stages' own checks of a config: fine-tuning (its names, its model, and the
 privacy budget its grid can reach) and the report's published table (`reference`).
 
-Names are read from `dpadapter.catalog` without torch; dataset sizes from the registry's
+Names are read from `dpadapter.registries.catalog` without torch; dataset sizes from the registry's
 declared counts (`dpadapter.data.sizes`). Each problem is a `key: text` line;
-`dpadapter.validation` composes them.
+`dpadapter.validation.compose` composes them.
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ import contextlib
 from collections.abc import Collection, Iterator
 from contextvars import ContextVar
 
-from dpadapter import catalog
 from dpadapter.data.sizes import task_sizes
 from dpadapter.privacy import max_reachable_epsilon
 from dpadapter.privacy.calibration import SIGMA_MIN
+from dpadapter.registries import catalog
 from dpadapter.settings import Config
 from dpadapter.settings.errors import NOT_METHOD, missing
 

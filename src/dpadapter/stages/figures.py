@@ -8,8 +8,8 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
-from dpadapter import plots
-from dpadapter.tables import public_absence
+from dpadapter.ground import plots
+from dpadapter.ground.tables import public_absence
 from dpadapter.upstream.variants import parse_variant
 
 

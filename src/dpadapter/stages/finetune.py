@@ -14,19 +14,19 @@ import math
 from dataclasses import replace
 from pathlib import Path
 
-from dpadapter import distributed
 from dpadapter.algorithms import ALGORITHMS
 from dpadapter.data import build_splits, public_train
-from dpadapter.job import seed_everything, training_job
+from dpadapter.ground import distributed
 from dpadapter.models import replace_head
 from dpadapter.settings import STRATEGY_SEP, Config, join_folder
-from dpadapter.strategies import get_strategy, released_dim
 from dpadapter.train.checkpoint import load_model, save_model
 from dpadapter.train.dp_fit import FitSettings, dp_fit, privacy_record
 from dpadapter.train.dp_spec import run_spec
+from dpadapter.train.job import seed_everything, training_job
 from dpadapter.train.loops import evaluate, robust_accuracy
 from dpadapter.train.phase_clock import PhaseClock
 from dpadapter.train.resume import ResumeFile, resume_file_path
+from dpadapter.train.strategies import get_strategy, released_dim
 
 
 def resume_path(cfg: Config, wildcards: dict[str, str]) -> Path:
@@ -204,7 +204,7 @@ def run(
                 ckpt_meta["in_chans"],
                 {"task": task},
             )
-        # phases of this job, in seconds (bench/overhead.py adds them up over a run)
+        # phases of this job, in seconds (bench/cpu/overhead.py adds them up over a run)
         metrics["timing_s"] = clock.record()
     if distributed.world().writer:
         resume.clear()

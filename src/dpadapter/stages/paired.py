@@ -30,8 +30,8 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
+from dpadapter.ground.stats import detectable_difference, paired_interval, pooled_paired
 from dpadapter.settings import join_folder
-from dpadapter.stats import detectable_difference, paired_interval, pooled_paired
 
 # (upstream, the one it is compared with): the questions the default table asks
 PAIRS = (

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dpadapter import device as devices
 from dpadapter.data import build_splits
 from dpadapter.data.tasks import RoleData
-from dpadapter.job import seed_everything, training_job
+from dpadapter.ground import device as devices
 from dpadapter.settings import Config
 from dpadapter.train.checkpoint import file_sha256, load_model, save_model
+from dpadapter.train.job import seed_everything, training_job
 from dpadapter.train.loops import evaluate, robust_accuracy
 from dpadapter.train.resume import ResumeFile, resume_file_path
 from dpadapter.upstream import UpstreamContext

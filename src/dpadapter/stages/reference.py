@@ -16,8 +16,8 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 
+from dpadapter.ground.tables import write_csv
 from dpadapter.settings import ReferenceCell, ReferenceConfig
-from dpadapter.tables import write_csv
 
 COLUMNS = [
     "upstream",

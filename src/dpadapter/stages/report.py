@@ -19,8 +19,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
 
-from dpadapter.settings import Config, join_folder
-from dpadapter.tables import (
+from dpadapter.ground.tables import (
     NOT_MEASURED,
     SINGLE,
     Stat,
@@ -29,6 +28,7 @@ from dpadapter.tables import (
     how_to_read,
     public_absence,
 )
+from dpadapter.settings import Config, join_folder
 
 _ACCOUNTANTS = {"prv": "PRV accountant (Opacus)", "rdp": "RDP accountant (Opacus)"}
 
@@ -73,7 +73,7 @@ td.under { background: #dce9fb; }
 p.about { color: #444; font-size: 0.9em; border-left: 3px solid #999; padding-left: 0.6em; }
 """
 
-# The marks of dpadapter.tables, coloured so they are seen before they are read; `‡`
+# The marks of dpadapter.ground.tables, coloured so they are seen before they are read; `‡`
 # (aggregate.UNDER: a cell that spent less ε than its target) as well (issue 50).
 _MARKS = (("▼", "inverted"), ("≈", "noise"), ("?", "noise"), (SINGLE, "single"), ("‡", "under"))
 

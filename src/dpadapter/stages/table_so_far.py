@@ -24,9 +24,9 @@ import datetime
 import sys
 from pathlib import Path
 
+from dpadapter.ground.tables import write_csv
 from dpadapter.settings import Config
 from dpadapter.stages import aggregate, reference
-from dpadapter.tables import write_csv
 from dpadapter.train.resume import resume_file_path
 
 FINISHED, CUT, NOT_RUN = "finished", "cut", "not run yet"

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dpadapter import device as devices
 from dpadapter.data import build_splits
-from dpadapter.job import seed_everything, training_job
+from dpadapter.ground import device as devices
 from dpadapter.models import create_model
 from dpadapter.settings import Config
 from dpadapter.stages.pretrain import public_report
 from dpadapter.train.checkpoint import save_model
+from dpadapter.train.job import seed_everything, training_job
 from dpadapter.train.loops import sgd_train
 from dpadapter.train.resume import ResumeFile, resume_file_path
 

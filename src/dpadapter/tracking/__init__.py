@@ -1,6 +1,6 @@
 """MLflow: one run per training job, safe when many jobs start at once; never stops a job.
 
-A job's whole view of tracking (dpadapter.job.training_job)::
+A job's whole view of tracking (dpadapter.train.job.training_job)::
 
     job = tracking.job(cfg, stage, wildcards)           # its run's name, tags and group run
     with tracking.start_run(cfg.tracking, job.name, job.tags, results_dir=cfg.results_dir,
@@ -21,6 +21,9 @@ The rooms, by what a reader looks for:
 mlflow is imported only inside functions: with `tracking.enabled: false` a job never imports it,
 and under `auto` a node without it runs untracked. Where the runs go, and why they are nested:
 docs/tracking.md.
+
+Layer 0, beside the settings: it may import only the ground floor (`ground`, `settings`,
+`workflow`), so any job, at any layer, can be tracked.
 """
 
 from dpadapter.tracking.lifecycle import end_dead_runs, end_stale_runs, group_run

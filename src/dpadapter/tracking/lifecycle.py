@@ -14,9 +14,9 @@ import os
 import socket
 from pathlib import Path
 
-from dpadapter.reruns import mark_replaced, number, quoted, runs_tagged
 from dpadapter.tracking.naming import GROUP_TAG, HOST_TAG, JOB_TAG, PID_TAG
 from dpadapter.tracking.store import file_lock, lock_path
+from dpadapter.workflow.reruns import mark_replaced, number, quoted, runs_tagged
 
 
 def group_run(exp_id: str, key: str, name: str, tags: dict[str, str], uri: str) -> str:
@@ -113,7 +113,7 @@ def open_run(
 ):
     """Start (or resume) the run: the job's own run, nested under `parent` (a run id, or a
     group's (key, name) whose run is found or made). A new run in a slot that already has runs
-    is numbered and marks the runs it replaces (dpadapter.reruns); a resumed one is not.
+    is numbered and marks the runs it replaces (dpadapter.workflow.reruns); a resumed one is not.
     `system_metrics`: MLflow samples the machine's utilisation into the run until it ends."""
     import mlflow
     from mlflow.exceptions import MlflowException

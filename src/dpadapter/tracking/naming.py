@@ -12,9 +12,9 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from dpadapter.identity import config_hash, run_prefix
-from dpadapter.reruns import SLOT_TAG, slot
 from dpadapter.settings import Config
+from dpadapter.workflow.identity import config_hash, run_prefix
+from dpadapter.workflow.reruns import SLOT_TAG, slot
 
 # The group (parent) run of one stage of one config, and the job a run belongs to.
 GROUP_TAG = "dpadapter.group"

@@ -107,7 +107,7 @@ class Run:
 
 
 def _sigterm_to_exit(signum, frame):
-    # once: Slurm signals every process of a step, the child of dpadapter.supervise gets its
+    # once: Slurm signals every process of a step, the child of dpadapter.launch.supervise gets its
     # parent's copy too, and a second SystemExit would cut short the unwinding that ends the run
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     raise SystemExit(128 + signum)

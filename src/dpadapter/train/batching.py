@@ -21,8 +21,8 @@ still emits a variable-size last chunk per logical batch. Algorithms that count 
 (AdpClip's unclipped count) read `valid_rows` from the optimizer, set for every physical batch.
 Federated clients pad their Poisson samples with the same `pad_batch`.
 
-A dataset too large for the GPU stays in pinned host memory (`dpadapter.device.place`); its
-batches are gathered into pinned buffers (`dpadapter.device.gather`), since indexing pinned
+A dataset too large for the GPU stays in pinned host memory (`dpadapter.ground.device.place`); its
+batches are gathered into pinned buffers (`dpadapter.ground.device.gather`), since indexing pinned
 memory yields pageable memory, whose copy to the GPU would block.
 
 Opacus is imported by the DP batches only: the non-private loops (warm-up, pre-training) use
@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import BatchSampler, RandomSampler, TensorDataset
 
-from dpadapter.device import gather
+from dpadapter.ground.device import gather
 from dpadapter.privacy import randomness
 
 PAD_LABEL = -100

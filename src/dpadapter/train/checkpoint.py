@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dpadapter import atomic, distributed
+from dpadapter.ground import atomic, distributed
 from dpadapter.models import create_model
 from dpadapter.models.input_adapter import AdapterSpec, adapt
 from dpadapter.settings import ModelConfig

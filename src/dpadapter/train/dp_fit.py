@@ -19,9 +19,9 @@ from opacus.validators import ModuleValidator
 from torch import nn
 from torch.utils.data import Dataset, TensorDataset
 
-from dpadapter import device as devices
-from dpadapter import distributed
 from dpadapter.algorithms import ALGORITHMS, DPRunSpec
+from dpadapter.ground import device as devices
+from dpadapter.ground import distributed
 from dpadapter.models.batchnorm import freeze_batchnorm
 from dpadapter.per_sample import (
     check_memo,
@@ -31,13 +31,13 @@ from dpadapter.per_sample import (
 )
 from dpadapter.privacy import PrivacyLedger, randomness, verify_plan
 from dpadapter.settings import Config
-from dpadapter.strategies import Schedule, apply_phase, every_phase_trains
 from dpadapter.train.batching import PAD_LABEL, dp_batches, masked_cross_entropy
 from dpadapter.train.dp_spec import padding
 from dpadapter.train.loops import evaluate, progress
 from dpadapter.train.phase_clock import NO_CLOCK, PhaseClock
 from dpadapter.train.progress import ProgressLine
 from dpadapter.train.resume import ResumeFile
+from dpadapter.train.strategies import Schedule, apply_phase, every_phase_trains
 
 
 @dataclass(frozen=True)
@@ -115,7 +115,7 @@ def dp_fit(
     `public` is the public data handed to algorithms that need it (GEP's anchors), or a
     function that loads it (read only when the algorithm needs it).
 
-    `schedule` (dpadapter.strategies) picks what each step trains, clips and noises: the head
+    `schedule` (dpadapter.train.strategies) picks what each step trains, clips and noises: the head
     only (HT) or every parameter (FT), switching after step T1 for UT. None trains every
     parameter (full fine-tuning).
 
@@ -144,7 +144,7 @@ def dp_fit(
     devices.configure(dev, settings.tf32)
     model.to(dev)
     # Several processes (torchrun): this one trains on its shard, sampled at the same q; the
-    # optimizer sums the ranks' clipped sums and adds the noise once (dpadapter.distributed).
+    # optimizer sums the ranks' clipped sums and adds the noise once (dpadapter.ground.distributed).
     world = distributed.world()
     refusal = ALGORITHMS[algo_name].distributed_refusal if world.multi else None
     if refusal:

@@ -13,9 +13,9 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from tqdm.auto import tqdm
 
-from dpadapter import device as devices
-from dpadapter import distributed
-from dpadapter.device import to
+from dpadapter.ground import device as devices
+from dpadapter.ground import distributed
+from dpadapter.ground.device import to
 from dpadapter.settings import SGDConfig
 from dpadapter.train.batching import ShuffledBatches
 from dpadapter.train.progress import ProgressLine

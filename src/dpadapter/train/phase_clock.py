@@ -2,7 +2,7 @@
 
 A job's wall time (`wall_time_s`) says how long it took, not what to make faster: a fine-tuning
 job of the default grid spends seconds each on its private steps, the per-sample self-test, the
-evaluations and the accountant. `bench/overhead.py` adds the phases up over a finished run, so a
+evaluations and the accountant. `bench/cpu/overhead.py` adds the phases up over a finished run, so a
 change to any of them is measured on the run it is meant to speed up (docs/measured.md).
 
 Seconds are wall-clock (`time.perf_counter`), nested phases are not subtracted from their

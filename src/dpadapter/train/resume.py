@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from dpadapter import atomic
+from dpadapter.ground import atomic
 
 
 def resume_file_path(results_dir: str | Path, *parts: str) -> Path:

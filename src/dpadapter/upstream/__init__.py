@@ -4,6 +4,9 @@ The method modules import torch, so they are imported when a name below is first
 torch-free parts of this package (`resolve`, `variants`) serve the workflow's parse without
 them. The registry's order, which the config schema's `pretrain.params` follows, is the order
 of `_METHOD_MODULES` whichever module a process happened to import first.
+
+Layer 5 (an experiment built on the loops): it may import `train` and everything below, and
+the other experiments of its layer, never a stage or an entry point.
 """
 
 from __future__ import annotations

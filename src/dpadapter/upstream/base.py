@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 from torch import nn
 
 from dpadapter.data.tasks import RoleData, SplitPlan
-from dpadapter.param_schema import param_errors, params_object
+from dpadapter.ground.param_schema import param_errors, params_object
 from dpadapter.settings import Config, ModelConfig
 from dpadapter.train.resume import ResumeFile
 

@@ -13,7 +13,8 @@ an external upstream import timm or torch here; the default config's parse stays
 
 Below them, the names and params of `pretrain` and `sweeps` (the gamma sweeps are upstream
 methods at several radii) against the registry and the rest of the config, read from
-`dpadapter.catalog` without torch. Each problem is a `key: text` line; `dpadapter.validation`
+`dpadapter.registries.catalog` without torch. Each problem is a `key: text` line;
+`dpadapter.validation.compose`
 composes them.
 """
 
@@ -30,8 +31,8 @@ from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
 
-from dpadapter import catalog
-from dpadapter.param_schema import param_errors
+from dpadapter.ground.param_schema import param_errors
+from dpadapter.registries import catalog
 from dpadapter.settings import Config, ModelConfig
 from dpadapter.settings.errors import missing
 from dpadapter.upstream.resolve import EXTERNAL, known_names, resolve
@@ -41,7 +42,8 @@ SHOWN = 3  # names per kind of mismatch in the message; the full list goes to a 
 
 # The upstreams whose backbones are checked (None: all). The workflow checks every backbone
 # before any job; a job validates its config again but builds at most one backbone from it (a
-# fine-tuning job none: it rebuilds from the checkpoint's record, dpadapter.cli), and each meta
+# fine-tuning job none: it rebuilds from the checkpoint's record, dpadapter.launch.cli), and each
+# meta
 # build and forward costs it about 0.1 s of CPU (a grid of 5 ViTs paid 0.5 s per job).
 _ONLY: ContextVar[frozenset[str] | None] = ContextVar("dpadapter_checked_upstreams", default=None)
 

@@ -13,14 +13,14 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from dpadapter.param_schema import params_object
+from dpadapter.ground.param_schema import params_object
 from dpadapter.train.loops import sgd_train
 from dpadapter.upstream.base import UPSTREAMS, UpstreamContext, UpstreamMethod, register_upstream
 
 
 @register_upstream("control")
 class ComputeMatchedControl(UpstreamMethod):
-    # `match` must name a method with an SGD schedule; dpadapter.validation checks the name.
+    # `match` must name a method with an SGD schedule; dpadapter.validation.compose checks the name.
     params_schema = params_object(match={"type": "string"})
 
     @classmethod

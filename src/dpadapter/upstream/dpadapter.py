@@ -37,7 +37,7 @@ gamma           radius of the L2 ball on Delta                         2.0
 Parameters of this implementation, not of the paper: `refresh_every` (k: recompute Delta every k
 steps and reuse it, still capped and reverted, in between; k = 1 is Algorithm 1, larger k
 divides the perturbation cost by k, but SGD then learns to offset a fixed Delta, which moves the
-clean weights away by about Delta: see bench/dpadapter_cost.py) and `ema_beta` (the
+clean weights away by about Delta: see bench/cpu/dpadapter_cost.py) and `ema_beta` (the
 `EMAPerturbedStep` option below; None is Algorithm 1).
 
 On the embedded default (Fashion-MNIST, 26k public images, small CNN, 2 CPU cores) one exact
@@ -60,8 +60,8 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from dpadapter.device import Place
-from dpadapter.param_schema import NON_NEGATIVE, POSITIVE_INT, params_object
+from dpadapter.ground.device import Place
+from dpadapter.ground.param_schema import NON_NEGATIVE, POSITIVE_INT, params_object
 from dpadapter.upstream.base import register_upstream
 from dpadapter.upstream.perturbed import (
     SCHEDULE_DEFAULTS,
@@ -148,7 +148,7 @@ class EMAPerturbedStep(PerturbedStep):
     by about 1 / (1 - beta) steps, so it is the gradient at slightly stale weights. Unlike a
     Delta reused for k steps (`refresh_every`, which failed: SGD learns to offset a fixed
     Delta), it changes every step and follows theta. Whether that is close enough is measured,
-    not assumed (bench/dpadapter_cost.py, docs/speed.md).
+    not assumed (bench/cpu/dpadapter_cost.py, docs/speed.md).
     """
 
     def __init__(self, *args: Any, beta: float, **kwargs: Any):

@@ -25,10 +25,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from dpadapter.ground.param_schema import POSITIVE_INT, nullable, params_object
 from dpadapter.models import create_model, with_timm_args
 from dpadapter.models.batchnorm import BATCHNORM_CHOICES, apply_batchnorm_choice
 from dpadapter.models.input_adapter import AdapterSpec, adapt
-from dpadapter.param_schema import POSITIVE_INT, nullable, params_object
 from dpadapter.settings import ModelConfig
 from dpadapter.train.checkpoint import file_sha256
 from dpadapter.upstream.base import UpstreamContext, UpstreamMethod, register_upstream

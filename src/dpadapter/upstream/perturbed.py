@@ -64,9 +64,9 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from dpadapter import distributed
-from dpadapter.device import Place, gather, to
-from dpadapter.param_schema import (
+from dpadapter.ground import distributed
+from dpadapter.ground.device import Place, gather, to
+from dpadapter.ground.param_schema import (
     FRACTION,
     NON_NEGATIVE,
     NON_NEGATIVE_INT,
@@ -108,7 +108,7 @@ def _chunks(
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Slices of the batch on `device`; with `index` the rows are gathered per chunk, never
     all at once. A public set too large for the GPU stays in pinned host memory
-    (`dpadapter.device.place`): each chunk is gathered there and copied to the model."""
+    (`dpadapter.ground.device.place`): each chunk is gathered there and copied to the model."""
     n = len(y) if index is None else len(index)
     for start in range(0, n, chunk_size):
         if index is None:

@@ -6,7 +6,8 @@ method with that label's params), usable wherever a method name is (`pretrain.me
 `finetune.upstreams`, `hpo.upstreams`, `federated.upstreams`). The validation, the pretrain
 job and the workflow's rules all look names up here, so a label behaves as a method.
 
-Names resolve against `dpadapter.catalog` (what the registry holds, read without torch), so the
+Names resolve against `dpadapter.registries.catalog` (what the registry holds, read without torch),
+so the
 validation and the rules' input functions run at parse time without importing any method;
 `method_for`, which constructs one, imports the registry.
 """
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from dpadapter import catalog
+from dpadapter.registries import catalog
 from dpadapter.settings import Config
 from dpadapter.upstream.variants import parse_variant
 

@@ -28,7 +28,7 @@ from typing import Any
 
 from torch.utils.data import TensorDataset
 
-from dpadapter.param_schema import NON_NEGATIVE, POSITIVE_INT, params_object
+from dpadapter.ground.param_schema import NON_NEGATIVE, POSITIVE_INT, params_object
 from dpadapter.upstream.base import register_upstream
 from dpadapter.upstream.perturbed import (
     SCHEDULE_DEFAULTS,

@@ -33,9 +33,9 @@ def final_budget_run(
     attached to the MLflow run, to add the stage's own block (e.g. the HPO total).
     """
     from dpadapter.data import build_splits
-    from dpadapter.job import training_job
     from dpadapter.train.checkpoint import save_model
     from dpadapter.train.dp_fit import privacy_record
+    from dpadapter.train.job import training_job
 
     _, roles = build_splits(cfg, [p["task"]])
     d = roles[p["task"]]

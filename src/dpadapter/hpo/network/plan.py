@@ -32,7 +32,7 @@ def read_json(path: Path) -> dict:
 
 
 def write_json(path: Path, payload: dict) -> None:
-    from dpadapter.job import write_json
+    from dpadapter.train.job import write_json
 
     write_json(path, payload)
 
@@ -50,7 +50,8 @@ def load_plan(cfg: Config, path: Path) -> dict:
 
 
 def log_to_parent(cfg: Config, parent_run_id: str | None, metrics: dict[str, float]) -> None:
-    from dpadapter import distributed, tracking
+    from dpadapter import tracking
+    from dpadapter.ground import distributed
 
     if distributed.world().writer:  # a job of several processes logs once, from rank 0
         tracking.log_metrics_to(cfg.tracking, cfg.results_dir, parent_run_id, metrics)

@@ -107,7 +107,7 @@ def strategy_of(cfg: Config):
     The schedule spans the calibrated steps, so a UT final run that stops early (a prefix) keeps
     the T1 it was planned with.
     """
-    from dpadapter.strategies import get_strategy
+    from dpadapter.train.strategies import get_strategy
 
     return get_strategy(cfg.hpo.strategy or cfg.finetune.strategy)
 
@@ -138,10 +138,10 @@ def train_config(
     taking fewer steps than calibrated runs a prefix of that schedule.
     """
     from dpadapter.data import public_train
-    from dpadapter.job import seed_everything
     from dpadapter.models import replace_head
     from dpadapter.train.checkpoint import load_model
     from dpadapter.train.dp_fit import FitSettings, dp_fit
+    from dpadapter.train.job import seed_everything
 
     calibrated_steps = calibrated_steps or config.steps
     if config.steps > calibrated_steps:

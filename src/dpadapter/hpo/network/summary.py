@@ -14,7 +14,7 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
-from dpadapter.tables import Stat, cell, flagged_cells, how_to_read, write_csv
+from dpadapter.ground.tables import Stat, cell, flagged_cells, how_to_read, write_csv
 
 COLUMNS = [
     "method",

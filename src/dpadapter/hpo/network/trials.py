@@ -21,8 +21,8 @@ from dpadapter.settings import Config
 
 def trial(cfg: Config, plan_path: Path, sweep: int, index: int, ckpt: Path, out_dir: Path) -> dict:
     """One trial; only the training and validation splits are loaded."""
-    from dpadapter.job import training_job
     from dpadapter.train.dp_fit import privacy_record
+    from dpadapter.train.job import training_job
 
     p = load_plan(cfg, plan_path)
     t = p["sweeps"][sweep]["trials"][index]

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from dpadapter import atomic
+from dpadapter.ground import atomic
 from dpadapter.per_sample.independence import make_independent
 
 SPLITS = ("train", "val", "test")

@@ -2,7 +2,8 @@
 
 RERR = (linear scaling - E[random search]) / (oracle - E[random search]) per HPO seed, at each
 target budget; reported as the mean over HPO seeds with a Student-t 95 % interval
-(`dpadapter.stats.t_interval`). The oracle and random search come from the oracle stage (seeds
+(`dpadapter.ground.stats.t_interval`). The oracle and random search come from the oracle stage
+(seeds
 averaged, the random search's expectation exact over the grid); they are the same for every HPO
 seed, so the interval is the spread of the HPO itself.
 """
@@ -15,8 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from dpadapter.stats import t_interval
-from dpadapter.tables import Stat, flagged_cells, how_to_read
+from dpadapter.ground.stats import t_interval
+from dpadapter.ground.tables import Stat, flagged_cells, how_to_read
 
 COLUMNS = [
     "upstream",
@@ -190,7 +191,7 @@ def markdown(result: dict[str, Any]) -> str:
 
 
 def run(oracle_paths: list[Path], seed_paths: list[Path], csv_path: Path, md: Path, js: Path):
-    from dpadapter.tables import write_csv
+    from dpadapter.ground.tables import write_csv
 
     def key(p: Path) -> tuple[str, str]:
         # .../hpo-probe/{upstream}/{task}/<file>

@@ -1,0 +1,216 @@
+"""DP-SAT Table 2 cells inside the GPU session: pre-train once, cells side by side, one summary.
+
+The cells (Fashion-MNIST, GNResNet-10 from scratch, the paper's settings from
+configs/dpsat-table2.yaml, seed 0) run as the `finetune` stage's own processes, each into its
+own folder, concurrently on the one GPU as far as its memory allows. DP-SGD and DP-SAT at
+ε = 3 start first; the ε = 1 pair starts only when the time measured so far says it will finish
+before the deadline (a cell's duration grows with the cells sharing the GPU: the projection
+assumes the GPU is the bottleneck, so k cells side by side each take k times as long). A cell
+still running at the deadline is stopped and reported unfinished with how far it got; it never
+appears as a result. `aggregate` and `reference` run once, over the finished cells.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import time
+from pathlib import Path
+
+import yaml
+from gpu_session_run import Clock, Outcome, Proc, run, tail
+from gpu_table2 import HEADER, cell_args, cell_line, paper_cell, pretrain_args, stage_command
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIG = REPO / "configs" / "dpsat-table2.yaml"
+CELLS = (("dpsgd", 3.0), ("dpsat", 3.0), ("dpsgd", 1.0), ("dpsat", 1.0))
+FIRST = 2  # the ε = 3 pair starts without a projection
+SUMMARY_S = 25.0  # kept for aggregate + reference at the end (dry run: DRY_SUMMARY_S)
+DRY_SUMMARY_S = 12.0
+PROGRESS = re.compile(r"step (\d+)/(\d+).*?elapsed (\d+):(\d\d):(\d\d) eta (\d+):(\d\d):(\d\d)")
+# The dry run's tiny version of the paper's setting: same stages, sampling rule and summary.
+DRY = {
+    "model": {"name": "cnn-gn", "groups": 4, "width": 8},
+    "public": {"n_train": 200, "n_test": 100},
+    "tasks": {"fmnist": {"n_train": 400, "n_test": 200}},
+    "finetune": {"epochs": 2, "batch_size": 100, "physical_batch_size": None},
+}
+
+
+def key(algo: str, eps: float) -> str:
+    return f"{algo}-eps{eps:g}"
+
+
+def write_config(work: Path, mode: str, device: str, dry: bool) -> Path:
+    """An overlay of the paper config: results under `work`, the session's mode and device."""
+    overlay: dict = {
+        "base": str(CONFIG),
+        "results_dir": str(work / "results"),
+        "device": device,
+        "tracking": {"enabled": False},
+        "finetune": {"grad_sample_mode": mode, "seeds": [0]},
+    }
+    if dry:
+        for section, values in DRY.items():
+            if section == "tasks":
+                overlay["tasks"] = values
+            else:
+                overlay[section] = {**overlay.get(section, {}), **values}
+    path = work / "table2.yaml"
+    work.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(overlay, sort_keys=False))
+    return path
+
+
+def progress(log: Path) -> tuple[int, int, float] | None:
+    """(steps done, steps planned, projected total seconds) from the cell's last progress line."""
+    hits = PROGRESS.findall(tail(log, 20000))
+    if not hits:
+        return None
+    done, total, eh, em, es, th, tm, ts = map(int, hits[-1])
+    elapsed = 3600 * eh + 60 * em + es
+    return done, total, elapsed + 3600 * th + 60 * tm + ts
+
+
+class Cells:
+    """The cell queue: what runs, what finished, and the measured seconds per cell alone."""
+
+    def __init__(self, config: Path, cfg, logs: Path, stall: set[str], parallel: int):
+        self.config, self.cfg, self.logs = config, cfg, logs
+        self.stall, self.parallel = stall, max(1, parallel)
+        self.pending = list(CELLS)
+        self.running: dict[str, tuple[Proc, int]] = {}  # key -> (process, cells beside it)
+        self.outcomes: dict[str, Outcome] = {}
+        self.alone_s: list[float] = []  # a cell's duration / the cells sharing the GPU
+        self.last_est: float | None = None  # the last projection made while cells ran
+
+    def command(self, algo: str, eps: float) -> tuple[Path, list[str]]:
+        cell, args = cell_args(self.cfg, "scratch", "fmnist", algo, eps, 0)
+        if key(algo, eps) in self.stall:  # the dry run's stand-in for a cell that overruns
+            return cell, [sys.executable, "-c", "import time; print('stalled'); time.sleep(3600)"]
+        return cell, stage_command(self.config, *args)
+
+    def start(self, algo: str, eps: float) -> None:
+        _, cmd = self.command(algo, eps)
+        k = key(algo, eps)
+        self.running[k] = (Proc(k, cmd, self.logs / f"table2-{k}.log", None, None), 0)
+        n = len(self.running)
+        self.running = {name: (p, max(s, n)) for name, (p, s) in self.running.items()}
+
+    def projection(self) -> float | None:
+        """Seconds a new cell would take, started now beside the running ones."""
+        alone = list(self.alone_s)
+        for p, shared in self.running.values():
+            got = progress(p.log)
+            if got and got[0] > 0:
+                alone.append(got[2] / shared)
+        if not alone:
+            return None
+        return max(alone) * (len(self.running) + 1)
+
+    def poll(self) -> None:
+        for k, (p, shared) in list(self.running.items()):
+            if p.poll() is not None:
+                self.outcomes[k] = p.finish()
+                if self.outcomes[k].status == "passed":
+                    self.alone_s.append(self.outcomes[k].wall_s / shared)
+                del self.running[k]
+
+    def schedule(self, end: float) -> None:
+        while self.pending and len(self.running) < self.parallel:
+            algo, eps = self.pending[0]
+            if len(self.outcomes) + len(self.running) >= FIRST:
+                est = self.projection()
+                self.last_est = est or self.last_est
+                if est is None or time.monotonic() + est > end:
+                    return
+            self.pending.pop(0)
+            self.start(algo, eps)
+
+    def stop_all(self, end_note: str) -> None:
+        for k, (p, _) in self.running.items():
+            p.stop()
+            got = progress(p.log)
+            how_far = f", step {got[0]}/{got[1]}" if got else ""
+            self.outcomes[k] = p.finish(f"unfinished: {end_note}{how_far}")
+        self.running = {}
+
+
+def run_table2(
+    work: Path, logs: Path, clock: Clock, mode: str, device: str, dry: bool,
+    parallel: int, cap_s: float, stall: set[str],
+) -> dict:  # fmt: skip
+    """Pre-train, the cells, the summary; returns what the session's report needs."""
+    from dpadapter.validation.compose import load
+
+    config = write_config(work, mode, device, dry)
+    cfg = load(config)
+    summary_s = DRY_SUMMARY_S if dry else SUMMARY_S
+    end = time.monotonic() + min(cap_s, clock.left()) - summary_s
+    report: dict = {"config": str(config), "mode": mode, "parallel": parallel, "cells": {}}
+    ckpt, make = pretrain_args(cfg, "scratch")
+    pre = run("table2-pretrain", stage_command(config, *make), logs / "table2-pretrain.log",
+              clock, max(0.0, end - time.monotonic()))  # fmt: skip
+    report["pretrain"] = vars(pre)
+    cells = Cells(config, cfg, logs, stall, parallel)
+    if pre.status == "passed":
+        while cells.pending or cells.running:
+            cells.poll()
+            if time.monotonic() >= end:
+                cells.stop_all("still running at the session's deadline")
+                break
+            cells.schedule(end)
+            if not cells.running:
+                break  # what is pending cannot finish in time
+            time.sleep(0.5)
+    for algo, eps in cells.pending:
+        # the running cells are stopped by now: their last projection says why
+        est = cells.projection() or cells.last_est
+        why = "projected " + (f"{est:.0f} s" if est else "an unknown time")
+        cells.outcomes[key(algo, eps)] = Outcome(
+            key(algo, eps), "skipped",
+            note=f"not started: {why}, {max(0.0, end - time.monotonic()):.0f} s left",
+        )  # fmt: skip
+    results = Path(cfg.results_dir)
+    done = sorted((results / "finetune").rglob("metrics.json"))
+    lines = [HEADER]
+    for algo, eps in CELLS:
+        k = key(algo, eps)
+        cell, _ = cell_args(cfg, "scratch", "fmnist", algo, eps, 0)
+        o = cells.outcomes.get(k) or Outcome(k, "skipped", note="not started")
+        entry = {**vars(o)}
+        metrics = cell / "metrics.json"
+        if o.status == "passed" and metrics.is_file():
+            m = json.loads(metrics.read_text())
+            paper = paper_cell(cfg, algo, eps)
+            entry.update(
+                accuracy=100 * m["test_accuracy"],
+                paper=None if paper is None else [paper.mean, paper.std],
+                epsilon_spent=m["privacy"]["epsilon"],
+                sigma=m["privacy"].get("noise_multiplier"),
+                steps=m["privacy"]["steps"],
+                peak_gpu_mib=m["device"].get("peak_memory_mib"),
+            )
+            lines.append(cell_line(m, paper))
+        else:
+            lines.append(f"| {algo} | {eps:g} | 0 | {o.status}: {o.note} | | | | | | | |")
+        report["cells"][k] = entry
+    summary = results / "summary"
+    if done:
+        agg = stage_command(
+            config, "aggregate", "--metrics", *map(str, done),
+            "--pretrain", str(ckpt.parent / "metrics.json"),
+            "--csv", str(summary / "finetune.csv"), "--md", str(summary / "finetune.md"),
+        )  # fmt: skip
+        ref = stage_command(
+            config, "reference", "--finetune-csv", str(summary / "finetune.csv"),
+            "--csv", str(summary / "reference.csv"), "--md", str(summary / "reference.md"),
+        )  # fmt: skip
+        for name, cmd in (("table2-aggregate", agg), ("table2-reference", ref)):
+            o = run(name, cmd, logs / f"{name}.log", clock, summary_s / 2)  # the time kept
+            report[name] = vars(o)
+    report["table"] = "\n".join(lines) + "\n"
+    ref_md = summary / "reference.md"
+    report["reference_md"] = ref_md.read_text() if ref_md.is_file() else ""
+    return report
