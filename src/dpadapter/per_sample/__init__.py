@@ -18,7 +18,12 @@ training mode (`independence`: running statistics frozen, anything else refused 
 whatever path trains: fine-tuning, HPO, federated clients and the audit all wrap here. With the
 data's `sample` shape this runs at wrap time, without it at the wrapped module's first forward.
 The per-sample self-test (`self_test`) then compares the mode's per-example norms and clipped
-sums with torch.func's before any step.
+sums with torch.func's before any step. Book-keeping's kept per-example gradients are reduced
+in one arena (`arena`), and the release draws its noise in one draw (`optimizers.flat_noise`):
+fewer, larger kernels (issue 47).
+
+Layer 2: it may import the ground floor, settings, privacy, models and data (layers 0-1), never
+the algorithms, the loops or anything above them, which build on it.
 """
 
 from __future__ import annotations
