@@ -120,8 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         processes = cfg.pretrain_processes
     if processes > 1 and "WORLD_SIZE" not in os.environ:
         # the job again as `processes` processes under torchrun (dpadapter.ground.distributed),
-        # which
-        # fails the whole job when one of them fails
+        # which fails the whole job when one of them fails
         from dpadapter.ground.distributed import run_torchrun
 
         return run_torchrun(processes, list(sys.argv[1:] if argv is None else argv))

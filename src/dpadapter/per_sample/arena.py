@@ -28,6 +28,17 @@ from dataclasses import dataclass
 import torch
 
 
+def keep(kept: dict, key: int, grads: torch.Tensor, limit: int) -> torch.Tensor | None:
+    """Per-example gradients `grads` (n, ...) kept under `key` for the sum if they have at most
+    `limit` elements, their squared norms then left to the arena (None); else their squared
+    norms (n,) now, and the sum recomputed later. The one rule for closed forms (`rules`) and
+    torch.func's modules (`functional`) alike."""
+    if grads.numel() <= limit:
+        kept[key] = grads
+        return None
+    return grads.reshape(grads.shape[0], -1).pow(2).sum(1)
+
+
 @dataclass
 class Arena:
     """One group's kept per-example gradients, flattened side by side."""

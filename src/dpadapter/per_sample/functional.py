@@ -27,6 +27,7 @@ from torch import nn
 from torch.func import functional_call, vjp, vmap
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from dpadapter.per_sample import arena
 from dpadapter.per_sample.tokens import TokenLayout
 
 
@@ -105,15 +106,11 @@ def func_norms_sq(
     rec: FuncRecord, wanted: set[int], keep: int, replay: Replay
 ) -> list[torch.Tensor]:
     """Squared per-example norms (n,) as parts to add; gradients up to `keep` elements are kept
-    for the sum (`rec.kept`) and left out of the parts, as the closed forms do (`rules.keep`)."""
+    for the sum (`rec.kept`) and left out of the parts, as the closed forms do (`arena.keep`)."""
     rec.kept = {}
-    parts = []
-    for pid, grads in func_grads(rec, wanted, replay).items():
-        if grads.numel() <= keep:
-            rec.kept[pid] = grads
-        else:
-            parts.append(grads.reshape(grads.shape[0], -1).pow(2).sum(1))
-    return parts
+    grads = func_grads(rec, wanted, replay)
+    parts = [arena.keep(rec.kept, pid, g, keep) for pid, g in grads.items()]
+    return [part for part in parts if part is not None]
 
 
 def func_sums(

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dpadapter.per_sample import conv
+from dpadapter.per_sample import arena, conv
 from dpadapter.per_sample.buffers import Workspace
 
 
@@ -59,14 +59,9 @@ class Settings:
     workspace: Workspace  # the buffer pool (`buffers`)
 
 
-def keep(rec, p: torch.Tensor, grads: torch.Tensor, limit: int) -> torch.Tensor | None:
-    """Per-example gradients `grads` kept for the sum if small enough, their squared norms left
-    to the wrapping module (None: one reduction over every kept gradient of the model, see
-    `bookkeeping.Arena`); else their squared norms (n,) now, and the sum recomputed later."""
-    if grads.numel() <= limit:
-        rec.kept[id(p)] = grads
-        return None
-    return grads.reshape(grads.shape[0], -1).pow(2).sum(1)
+def keep(rec: LayerRecord, p: torch.Tensor, grads: torch.Tensor, limit: int) -> torch.Tensor | None:
+    """`p`'s per-example gradients kept for the sum, or their squared norms (`arena.keep`)."""
+    return arena.keep(rec.kept, id(p), grads, limit)
 
 
 def ghost(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:

@@ -42,9 +42,8 @@ SHOWN = 3  # names per kind of mismatch in the message; the full list goes to a 
 
 # The upstreams whose backbones are checked (None: all). The workflow checks every backbone
 # before any job; a job validates its config again but builds at most one backbone from it (a
-# fine-tuning job none: it rebuilds from the checkpoint's record, dpadapter.launch.cli), and each
-# meta
-# build and forward costs it about 0.1 s of CPU (a grid of 5 ViTs paid 0.5 s per job).
+# fine-tuning job none: it rebuilds from the checkpoint's record, dpadapter.launch.cli), and
+# each meta build and forward costs it about 0.1 s of CPU (a grid of 5 ViTs paid 0.5 s per job).
 _ONLY: ContextVar[frozenset[str] | None] = ContextVar("dpadapter_checked_upstreams", default=None)
 
 

@@ -162,8 +162,8 @@ _FINETUNE = without("finetune", FINETUNE_GRID)
 # the new jobs. Version 1 folders keep the list in it: their finished jobs were built with it,
 # and Snakemake would rerun every one of them if the value changed. So a version 1 folder's
 # triggers read the list it was built with (`pins`, dpadapter.workflow.identity.fingerprint_pins),
-# not
-# the config's: its finished jobs are carried over, and a grown list adds jobs, as in version 2.
+# not the config's: its finished jobs are carried over, and a grown list adds jobs, as in
+# version 2.
 CURRENT_VERSION = 2
 # The pinned key of a version 1 folder, as `pins` names it (absent from `pins`: no such key).
 PINNED_UPSTREAMS = "finetune.upstreams"

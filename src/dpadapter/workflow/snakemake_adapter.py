@@ -28,9 +28,8 @@ from __future__ import annotations
 
 from typing import Any
 
-# Every release this module was checked on (tests/workflow/test_snakemake_adapter.py): its patch
-# releases
-# are admitted too, nothing else.
+# Every release this module was checked on (tests/workflow/test_snakemake_adapter.py): its
+# patch releases are admitted too, nothing else.
 CHECKED_ON = ("9.27.1",)
 
 
