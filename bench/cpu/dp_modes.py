@@ -100,14 +100,22 @@ DEFAULT_MODELS = ("resnet20-gn", "gnresnet10", "cnn-gn")
 class Runner:
     """One mode's model, optimizer and `step(x, y)` over a logical batch split in chunks."""
 
-    def __init__(self, mode: str, base: nn.Module, batch: int, physical: int, c: float):
+    def __init__(
+        self,
+        mode: str,
+        base: nn.Module,
+        batch: int,
+        physical: int,
+        c: float,
+        foreach: bool | None = None,  # SGD's own default: one `_foreach` call on CUDA only
+    ):
         self.mode, self.physical = mode, physical
         model = copy.deepcopy(base)
         ce = nn.CrossEntropyLoss(reduction="mean")
         self.loss_fn = ce
         if mode == "nonprivate":
             self.model = model
-            self.opt = torch.optim.SGD(model.parameters(), lr=0.0)
+            self.opt = torch.optim.SGD(model.parameters(), lr=0.0, foreach=foreach)
             return
         if mode in ("ghost", "fgc"):
             self.model = GradSampleModuleFastGradientClipping(
@@ -129,7 +137,7 @@ class Runner:
         self.opt = dp_optimizer(
             opt_cls,
             self.model,
-            torch.optim.SGD(self.model.parameters(), lr=0.0),
+            torch.optim.SGD(self.model.parameters(), lr=0.0, foreach=foreach),
             noise_multiplier=0.0,  # noise costs the same in every mode; 0 keeps the check exact
             max_grad_norm=c,
             expected_batch_size=batch,

@@ -13,7 +13,7 @@ question (the CUDA profiler's kernel count and time per kernel) is `bench/cpu/dp
 in step b of `bench/gpu/gpu_session.sh`.
 
     .venv/bin/python bench/cpu/op_count.py [--models gnresnet10 resnet20-gn] [--batch 64]
-        [--modes nonprivate bk hooks ghost] [--top 12] [--out DIR] [--tiny]
+        [--modes nonprivate bk hooks ghost] [--top 12] [--out DIR] [--tiny] [--as-gpu]
 
 The model and mode set-ups are `bench/cpu/dp_modes.py`'s (`Runner`), with noise on (σ = 1) so that
 the noise draws are counted.
@@ -80,7 +80,7 @@ def count_step(runner: Runner, x: torch.Tensor, y: torch.Tensor) -> OpCounter:
     return counter
 
 
-def count_model(name: str, modes: list[str], batch: int, tiny: bool) -> dict:
+def count_model(name: str, modes: list[str], batch: int, tiny: bool, as_gpu: bool = False) -> dict:
     s = SETTINGS[name]
     if tiny:
         s = dataclasses.replace(s, model=dataclasses.replace(s.model, groups=4, width=8))
@@ -91,7 +91,11 @@ def count_model(name: str, modes: list[str], batch: int, tiny: bool) -> dict:
     y = torch.randint(0, s.classes, (batch,), generator=g)
     out: dict = {"model": name, "batch": batch, "input": "x".join(map(str, s.shape)), "modes": {}}
     for mode in modes:
-        runner = Runner(mode, base, batch, batch, 1.0)
+        # as a GPU runs it: SGD's one `_foreach` update (its CUDA default) and bk's per-layer
+        # choices for a device where launches dominate (`rules.Settings.launch_bound`)
+        runner = Runner(mode, base, batch, batch, 1.0, foreach=True if as_gpu else None)
+        if mode == "bk":
+            runner.model.launch_bound = as_gpu
         if mode != "nonprivate":
             runner.opt.noise_multiplier = 1.0  # the noise draws and additions are counted
         c = count_step(runner, x, y)
@@ -111,7 +115,12 @@ def count_model(name: str, modes: list[str], batch: int, tiny: bool) -> dict:
 def markdown(report: dict, top: int) -> str:
     lines = [
         f"Dispatched ops of one eager training step ({report['device']}, torch "
-        f"{report['torch']}; views and empty allocations left out; bench/cpu/op_count.py)",
+        f"{report['torch']}; views and empty allocations left out; bench/cpu/op_count.py"
+        + (
+            " --as-gpu: SGD's foreach update, bk's choices where launches dominate)"
+            if report.get("as_gpu")
+            else "; the CPU's optimizer loop and bk's CPU choices)"
+        ),
         "",
         "| model | batch | mode | ops | × non-private | host syncs | MiB allocated | top ops |",
         "|---|---|---|---|---|---|---|---|",
@@ -134,6 +143,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--top", type=int, default=12)
     ap.add_argument("--tiny", action="store_true", help="narrow models and batch 8: a smoke run")
+    ap.add_argument(
+        "--as-gpu",
+        action="store_true",
+        help="count the step as a GPU runs it: SGD's foreach update, bk's GPU per-layer choices",
+    )
     ap.add_argument("--out", type=Path, help="write op_count.json and op_count.md here")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
@@ -142,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
         "device": "cpu",
         "host": platform.node(),
         "torch": torch.__version__,
-        "results": [count_model(m, args.modes, batch, args.tiny) for m in args.models],
+        "as_gpu": args.as_gpu,
+        "results": [count_model(m, args.modes, batch, args.tiny, args.as_gpu) for m in args.models],
     }
     md = markdown(report, args.top)
     if args.out:

@@ -44,3 +44,26 @@ def test_views_and_allocations_are_left_out():
     assert c.ops == {"mul": 1, "add_": 1}, c.ops
     assert c.views["view"] == 1 and c.views["empty"] == 1
     assert c.bytes == 12 * 4  # the product's storage; the in-place add allocates nothing
+
+
+def test_as_a_gpu_runs_it_the_update_is_one_foreach_call_and_gn_one_kernel():
+    """--as-gpu: SGD's CUDA default (one `_foreach` update, not one `add_` per tensor) in every
+    mode, bk's choices where launches dominate; and in either count a GroupNorm's per-example
+    gradients cost one kernel (`rules.group_norm_grads`), not a normalisation, a product and
+    two sums."""
+    oc = import_bench("op_count")
+    args = (["nonprivate", "bk"], 8, True)
+    cpu = oc.count_model("gnresnet10", *args)["modes"]
+    gpu = oc.count_model("gnresnet10", *args, as_gpu=True)["modes"]
+    n_params = sum(
+        1 for _ in oc.create_model(oc.SETTINGS["gnresnet10"].model, 10, 1, 0).parameters()
+    )
+    for mode in ("nonprivate", "bk"):
+        assert cpu[mode]["by_op"]["add_"] >= n_params - 1, cpu[mode]["by_op"]
+        assert "add_" not in gpu[mode]["by_op"] and gpu[mode]["by_op"]["_foreach_add_"] == 1
+        assert gpu[mode]["ops"] < cpu[mode]["ops"]
+    # the forward's GroupNorms, and one backward kernel each for autograd and for bk
+    n_gn = cpu["nonprivate"]["by_op"]["native_group_norm"]
+    for counts in (cpu, gpu):
+        assert counts["bk"]["by_op"]["native_group_norm"] == n_gn
+        assert counts["bk"]["by_op"]["native_group_norm_backward"] == 2 * n_gn

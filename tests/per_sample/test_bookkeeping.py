@@ -81,8 +81,9 @@ def reference(model: nn.Module, x, y, c: float | None):
     return (g * (c / (norms + 1e-6)).clamp(max=1.0)[:, None]).sum(0), c
 
 
-def bk_sum(model: nn.Module, x, y, c: float, **kw) -> torch.Tensor:
+def bk_sum(model: nn.Module, x, y, c: float, launch_bound=None, **kw) -> torch.Tensor:
     bk = BookKeepingModule(model, **kw)
+    bk.launch_bound = launch_bound
     opt = dp_sgd(bk, c, len(y))
     half = len(y) // 2
     for part in (slice(0, half), slice(half, None)):
@@ -97,14 +98,17 @@ def _data(shape, classes, n=8):
     return x, torch.randint(0, classes, (n,), generator=g)
 
 
-@pytest.mark.parametrize("strategy", ["auto", "ghost", "per-example"])
+@pytest.mark.parametrize("strategy", ["auto", "auto-launch-bound", "ghost", "per-example"])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_clipped_sum_equals_the_per_example_reference(case, strategy):
+    """Every path of the closed forms; "auto-launch-bound": the choices made on a GPU."""
     model, shape, classes = CASES[case]()
     model = model.double()
     x, y = _data(shape, classes)
     ref, c = reference(copy.deepcopy(model), x, y, None)
-    got = bk_sum(copy.deepcopy(model), x, y, c, strategy=strategy)
+    launch_bound = strategy == "auto-launch-bound" or None
+    strategy = strategy.removesuffix("-launch-bound")
+    got = bk_sum(copy.deepcopy(model), x, y, c, launch_bound, strategy=strategy)
     err = float((got - ref).norm() / ref.norm())
     assert err < 1e-9, f"{case} ({strategy}): relative error {err:.3g}"
 
@@ -157,7 +161,9 @@ def test_per_example_conv_gradients_match_autograd(conv, kernel):
             got = per_example_grouped(m, a[rows], g[rows], m.weight)
         assert got.shape == want[rows].shape
         assert torch.allclose(got, want[rows], rtol=1e-10, atol=1e-12)
-    assert len(workspace) == (kernel == "im2col")
+    # im2col keeps its patches' buffer, and the zero-bordered padded input's if it pads
+    padding = m.padding != (0, 0)
+    assert len(workspace) == ((1 + padding) if kernel == "im2col" else 0)
 
 
 def test_workspace_keeps_one_buffer_per_layer_layout_across_batch_sizes():
@@ -350,3 +356,62 @@ def test_the_flags_are_restored_when_clipping_fails(tf32_on):
     with pytest.raises(RuntimeError, match="before the backward"):
         opt.clip_and_accumulate()
     assert _tf32_flags() == (True, True)
+
+
+def test_where_launches_dominate_a_kept_conv_skips_the_ghost_paths_kernels():
+    """GNResNet-10's second shortcut (1x1, 128->256, 14x14 -> 7x7): ghost by the CPU's count;
+    per-example and kept where launches dominate, but only while its gradients fit `keep`."""
+    from dpadapter.per_sample import rules
+
+    conv = nn.Conv2d(128, 256, 1, stride=2, bias=False)
+    a, g = torch.randn(4, 128, 14, 14), torch.randn(4, 256, 7, 7)
+
+    def plan(launch_bound, keep=1 << 24):
+        rec = rules.LayerRecord(conv, a, {"weight": conv.weight}, g)
+        s = rules.Settings(keep, "auto", {}, launch_bound)
+        rules.conv_weight_norms_sq(conv, rec, conv.weight, s)
+        return rec.strategy, id(conv.weight) in rec.kept
+
+    assert plan(None) == plan(False) == ("ghost", False)  # on the CPU: by the device
+    assert plan(True) == ("per-example", True)
+    assert plan(True, keep=4 * 128 * 256 - 1) == ("ghost", False)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "channels-last"])
+def test_groupnorm_gradients_from_the_forwards_statistics(layout):
+    """GroupNorm's per-example gradients from one backward kernel, with the mean and 1/std its
+    forward saved or recomputed, against float64 autograd per example."""
+    from dpadapter.per_sample import rules
+
+    torch.manual_seed(0)
+    gn = nn.GroupNorm(4, 8)
+    with torch.no_grad():
+        gn.weight.uniform_(0.5, 2)
+        gn.bias.uniform_(-1, 1)
+    x = (torch.randn(5, 8, 6, 7) * 3 + 2).requires_grad_(True)
+    if layout == "channels-last":
+        x = x.detach().contiguous(memory_format=torch.channels_last).requires_grad_(True)
+    out = gn(x)
+    saved = rules.group_norm_saved(gn, out)
+    assert len(saved) == 2 and saved[0].shape == (5, 4)
+    assert rules.group_norm_saved(gn, out.detach() + 0) == ()  # not GroupNorm's own output
+    g = torch.randn_like(out)
+    gn64 = copy.deepcopy(gn).double()
+    want = [
+        torch.stack(grads)
+        for grads in zip(
+            *(
+                # contiguous: torch 2.13's CPU GroupNorm backward crashes (SIGSEGV) on a
+                # channels-last input when only the weight's and bias' gradients are asked for
+                torch.autograd.grad(
+                    gn64(x[i : i + 1].double().contiguous()), gn64.parameters(), g[i : i + 1]
+                )
+                for i in range(5)
+            ),
+            strict=True,
+        )
+    ]
+    for stats in (saved, ()):
+        got = rules.norm_layer_grads(gn, x.detach(), g, stats)
+        for gt, wt in zip(got, want, strict=True):
+            assert torch.allclose(gt.double(), wt, rtol=1e-5, atol=1e-5)

@@ -64,8 +64,8 @@ def test_a_refusal_never_suggests_switching_the_check_off(monkeypatch):
 
     right = rules.norm_layer_grads
 
-    def wrong(module, a, g):
-        gw, gb = right(module, a, g)
+    def wrong(module, a, g, *saved):
+        gw, gb = right(module, a, g, *saved)
         return gw * 1.5, gb  # GroupNorm's weight gradient 50 % too large
 
     monkeypatch.setattr(rules, "norm_layer_grads", wrong)

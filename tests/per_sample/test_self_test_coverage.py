@@ -24,8 +24,8 @@ SAMPLE = ((1, 28, 28), torch.float32)
 def _wrong_groupnorm(monkeypatch):
     right = rules.norm_layer_grads
 
-    def wrong(module, a, g):
-        gw, gb = right(module, a, g)
+    def wrong(module, a, g, *saved):
+        gw, gb = right(module, a, g, *saved)
         return gw * 1.5, gb  # a backbone GroupNorm's per-example gradient 50 % too large
 
     monkeypatch.setattr(rules, "norm_layer_grads", wrong)
@@ -75,8 +75,8 @@ def test_the_self_test_runs_at_the_physical_and_a_small_odd_size(monkeypatch):
     # a rule wrong only at small batches is caught at the small size
     right = rules.norm_layer_grads
 
-    def wrong_when_small(module, a, g):
-        gw, gb = right(module, a, g)
+    def wrong_when_small(module, a, g, *saved):
+        gw, gb = right(module, a, g, *saved)
         return (gw * 1.5 if a.shape[0] <= SMALL else gw), gb
 
     monkeypatch.setattr(rules, "norm_layer_grads", wrong_when_small)

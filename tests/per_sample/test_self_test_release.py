@@ -43,7 +43,19 @@ def _wrong_sums(monkeypatch, only_recomputed: bool) -> None:
     monkeypatch.setattr(rules, "layer_sums", wrong)
 
 
+def _keep_at_most(monkeypatch, keep: int) -> None:
+    init = BookKeepingModule.__init__
+    monkeypatch.setattr(
+        BookKeepingModule,
+        "__init__",
+        lambda self, module, **kw: init(self, module, **{**kw, "keep_elements": keep}),
+    )
+
+
 def test_a_wrong_clipped_sum_is_refused_naming_the_module(monkeypatch):
+    # nothing kept: the MLP's flat layers take the exact norm and the rules' sums, where a kept
+    # outer product's sum comes from the arena (the next test plants its bug there)
+    _keep_at_most(monkeypatch, 0)
     assert wrap_for_dp(_mlp(), "bk", sample=FLAT).per_sample_check["sum_error"] < 1e-5
     _wrong_sums(monkeypatch, only_recomputed=False)
     with pytest.raises(PerSampleCheckError, match=r"clipped sums .* at module '(0|2)' \(Linear\)"):
@@ -72,13 +84,8 @@ def test_a_wrong_sum_of_the_kept_gradients_is_refused(monkeypatch):
 def test_the_paths_of_the_physical_batch_size_are_the_ones_checked(monkeypatch):
     """A bug on the path only large batches take: caught at the batch size training uses."""
     _wrong_sums(monkeypatch, only_recomputed=True)
-    keep = 48 * 8  # per-example gradients of Linear(6, 8) kept up to 8 examples, not beyond
-    init = BookKeepingModule.__init__
-    monkeypatch.setattr(
-        BookKeepingModule,
-        "__init__",
-        lambda self, module, **kw: init(self, module, **{**kw, "keep_elements": keep}),
-    )
+    # per-example gradients of Linear(6, 8) kept up to 8 examples, not beyond
+    _keep_at_most(monkeypatch, 48 * 8)
 
     def model():  # Linear(6, 8) on 4 positions: its per-example gradients are computed
         torch.manual_seed(0)

@@ -147,6 +147,9 @@ class BookKeepingModule(nn.Module):
         if strategy not in ("auto", "ghost", "per-example"):
             raise ValueError(f"strategy must be auto, ghost or per-example, not {strategy!r}")
         self.strategy = strategy
+        # whether kernel launches dominate the norms' cost (`rules.Settings.launch_bound`):
+        # None decides by the device; the op-count bench forces True to count a GPU's choices
+        self.launch_bound: bool | None = None
         self.last_plan: dict[str, str] = {}  # layer -> how its norms were computed (first batch)
         # Reused patch buffers for ghost norms and im2col, one per layout (`buffers`).
         self.workspace: Workspace = {}
@@ -238,6 +241,8 @@ class BookKeepingModule(nn.Module):
         rec = self.records.get(module)
         if rec is None or not isinstance(output, torch.Tensor) or not output.requires_grad:
             return
+        assert isinstance(rec, LayerRecord)
+        rules.forward_saved(rec, output)
 
         def keep(grad: torch.Tensor) -> None:
             rec.g = grad.detach()
@@ -436,7 +441,7 @@ class BookKeepingModule(nn.Module):
 
     @property
     def _settings(self) -> rules.Settings:
-        return rules.Settings(self.keep_elements, self.strategy, self.workspace)
+        return rules.Settings(self.keep_elements, self.strategy, self.workspace, self.launch_bound)
 
     @contextlib.contextmanager
     def _replay(self) -> Iterator[None]:

@@ -44,6 +44,7 @@ class LayerRecord:
     g: torch.Tensor | None = None
     strategy: str = ""  # how its norms were computed: exact, ghost, per-example(-im2col)
     kept: dict[int, torch.Tensor] = field(default_factory=dict)  # per-example grads for the sum
+    saved: tuple = ()  # what the layer's own forward computed and its rule reuses (`forward_saved`)
 
     @property
     def n(self) -> int:
@@ -57,6 +58,12 @@ class Settings:
     keep: int  # per-example gradients of a layer up to this many elements are kept for the sum
     strategy: str  # auto (the cheaper), ghost or per-example
     workspace: Workspace  # the buffer pool (`buffers`)
+    # whether a kernel launch costs more than its arithmetic here (`conv_weight_norms_sq`):
+    # None decides by the device of the layer's input (CUDA: yes); True/False force it (benches)
+    launch_bound: bool | None = None
+
+    def launches_dominate(self, t: torch.Tensor) -> bool:
+        return t.device.type == "cuda" if self.launch_bound is None else self.launch_bound
 
 
 def keep(rec: LayerRecord, p: torch.Tensor, grads: torch.Tensor, limit: int) -> torch.Tensor | None:
@@ -75,11 +82,20 @@ def linear_norms_sq(rec: LayerRecord, w, b, s: Settings) -> list[torch.Tensor | 
     assert g is not None
     n = g.shape[0]
     parts: list[torch.Tensor | None] = []
-    if a.dim() == 2:  # one position: |g_i^T a_i| = |g_i| |a_i|
-        rec.strategy = "exact"
+    if a.dim() == 2:
+        if w is None or n * g.shape[1] * a.shape[1] <= s.keep:
+            # small enough to keep: the outer products g_i a_i^T in one kernel, their norms and
+            # sums then with the other kept gradients' (`arena`), where the exact norm
+            # |g_i| |a_i| below and a separate sum took eight kernels (issue 47)
+            rec.strategy = "per-example"
+            if w is not None:
+                parts.append(keep(rec, w, torch.bmm(g.unsqueeze(2), a.unsqueeze(1)), s.keep))
+            if b is not None:
+                parts.append(keep(rec, b, g, s.keep))
+            return parts
+        rec.strategy = "exact"  # one position: |g_i^T a_i| = |g_i| |a_i|
         g2 = g.pow(2).sum(1)
-        if w is not None:
-            parts.append(g2 * a.pow(2).sum(1))
+        parts.append(g2 * a.pow(2).sum(1))
         if b is not None:
             parts.append(g2)
         return parts
@@ -129,6 +145,14 @@ def conv_weight_norms_sq(
     (ResNet20's 64-channel 8x8 convolutions: 44 ms grouped vs 14-25 ms ghost at batch 256;
     the embedded CNN's 16->32 7x7 one: 0.8 ms grouped vs 1.8 ms ghost; /tmp measurements
     recorded in docs/speed.md). The rule is a heuristic from these CPU figures.
+
+    Where kernel launches dominate (a GPU at our users' sizes, issue 47; `Settings.launch_bound`)
+    the count also takes in what each path costs after the norm: the ghost path's clipped sum is
+    one more weight-gradient kernel (T d p) and six more launches per layer, whereas per-example
+    gradients small enough to keep (`Settings.keep`) need none of their own, their norm and sum
+    coming from the arena's two (2 d p): ghost when T^2 (d + p) + T d p < 1.5 T d p + 2 d p.
+    Not on the CPU: there it moved ResNet20-GN's 8x8 convolutions to the slow grouped kernel
+    and its bk step from ~190 to ~245 ms (batch 64, docs/speed.md).
     """
     a, g = rec.a, rec.g
     assert g is not None
@@ -137,7 +161,10 @@ def conv_weight_norms_sq(
     groups = module.groups
     d = c_in // groups * module.kernel_size[0] * module.kernel_size[1]
     p = c_out // groups
-    cheaper = t * (d + p) < 1.5 * d * p
+    if s.launches_dominate(a) and n * groups * d * p <= s.keep:
+        cheaper = t * t * (d + p) < 0.5 * t * d * p + 2 * d * p
+    else:
+        cheaper = t * t * (d + p) < 1.5 * t * d * p
     if groups == 1 and (s.strategy == "ghost" or (s.strategy == "auto" and cheaper)):
         rec.strategy = "ghost"
         return ghost(conv.patches(module, a, s.workspace), g.reshape(n, c_out, t))
@@ -157,12 +184,51 @@ def conv_sum(module: nn.Module, name: str, p, a: torch.Tensor, gw: torch.Tensor)
 
 
 # --- GroupNorm, LayerNorm (per-example gradients: one value per channel) ---------------------
-def norm_layer_grads(module: nn.Module, a: torch.Tensor, g: torch.Tensor):
+def group_norm_saved(module: nn.Module, output: torch.Tensor) -> tuple:
+    """The forward's own mean and 1/std (n, G), as autograd saved them for GroupNorm's backward
+    (`grad_fn._saved_result1/2`), so the norms need not normalise the input again; () where the
+    output did not come from that kernel (`group_norm_grads` then recomputes them)."""
+    fn = output.grad_fn
+    if type(fn).__name__ != "NativeGroupNormBackward0":
+        return ()
+    try:
+        mean, rstd = fn._saved_result1, fn._saved_result2
+    except (AttributeError, RuntimeError):  # freed, or another build's attribute names
+        return ()
+    return (mean.detach(), rstd.detach())
+
+
+def group_norm_grads(module: nn.GroupNorm, a: torch.Tensor, g: torch.Tensor, saved: tuple = ()):
+    """Per-example (weight, bias) gradients (n, C) of a GroupNorm from one backward kernel.
+
+    Folding the batch into the channels, (n, C, HW) -> (1, n C, HW) with n G groups, makes
+    GroupNorm's own weight-gradient kernel, which sums over the batch, sum over one example
+    only: `sum_hw g xhat` and `sum_hw g` per example and channel in one kernel, where
+    normalising, multiplying and two sums took four (issue 47). Its formula is the one
+    autograd's GroupNorm backward uses, `(sum g x - mean sum g) rstd`.
+    """
+    n, c = a.shape[:2]
+    hw = a[0, 0].numel()
+    groups = n * module.num_groups
+    stats = saved if saved and all(t.dtype == a.dtype for t in saved) else ()
+    if not stats:
+        stats = torch.ops.aten.native_group_norm(
+            a, None, None, n, c, hw, module.num_groups, module.eps
+        )[1:]
+    mean, rstd = (t.reshape(1, groups) for t in stats)
+    # the kernel reads the weight's device only when no input gradient is asked for
+    weight = a.new_empty(1).expand(n * c)
+    _, gw, gb = torch.ops.aten.native_group_norm_backward(
+        g.reshape(1, n * c, hw), a.reshape(1, n * c, hw), mean, rstd, weight,
+        1, n * c, hw, groups, [False, True, True],
+    )  # fmt: skip
+    return gw.view(n, c), gb.view(n, c)
+
+
+def norm_layer_grads(module: nn.Module, a: torch.Tensor, g: torch.Tensor, saved: tuple = ()):
     """Per-example (weight, bias) gradients of GroupNorm (n, C) / LayerNorm (n, *shape)."""
     if isinstance(module, nn.GroupNorm):
-        xhat = F.group_norm(a, module.num_groups, eps=module.eps)
-        dims = tuple(range(2, a.dim()))
-        return (xhat * g).sum(dim=dims), g.sum(dim=dims)
+        return group_norm_grads(module, a, g, saved)
     assert isinstance(module, nn.LayerNorm)
     xhat = F.layer_norm(a, module.normalized_shape, eps=module.eps)
     lead = tuple(range(1, a.dim() - len(module.normalized_shape)))
@@ -174,7 +240,7 @@ def norm_layer_grads(module: nn.Module, a: torch.Tensor, g: torch.Tensor):
 def norm_layer_norms_sq(rec: LayerRecord, w, b, s: Settings) -> list[torch.Tensor | None]:
     assert rec.g is not None
     rec.strategy = "per-example"
-    gw, gb = norm_layer_grads(rec.module, rec.a, rec.g)
+    gw, gb = norm_layer_grads(rec.module, rec.a, rec.g, rec.saved)
     parts: list[torch.Tensor | None] = []
     if w is not None:
         parts.append(keep(rec, w, gw, s.keep))
@@ -195,12 +261,14 @@ class LayerRule(NamedTuple):
     norms_sq: Callable[..., list[torch.Tensor | None]]
     # (module, "weight"/"bias", parameter, input a, clip-weighted output gradient) -> the sum
     clipped_sum: Callable[..., torch.Tensor]
+    # (module, output) -> what the forward computed that the norms reuse (`LayerRecord.saved`)
+    forward_saved: Callable[..., tuple] | None = None
 
 
 RULES: dict[type[nn.Module], LayerRule] = {
     nn.Linear: LayerRule(linear_norms_sq, linear_sum),
     nn.Conv2d: LayerRule(conv_norms_sq, conv_sum),
-    nn.GroupNorm: LayerRule(norm_layer_norms_sq, norm_layer_sum),
+    nn.GroupNorm: LayerRule(norm_layer_norms_sq, norm_layer_sum, group_norm_saved),
     nn.LayerNorm: LayerRule(norm_layer_norms_sq, norm_layer_sum),
 }
 SUPPORTED_LAYERS: tuple[type[nn.Module], ...] = tuple(RULES)
@@ -219,6 +287,13 @@ def rule_for(m: nn.Module) -> LayerRule | None:
 def closed_form(m: nn.Module) -> bool:
     """Whether bk's closed forms fit `m`: a supported class with that class' own forward."""
     return rule_for(m) is not None
+
+
+def forward_saved(rec: LayerRecord, output: torch.Tensor) -> None:
+    """Keep what the layer's forward computed that its rule reuses (its table entry says)."""
+    rule = rule_for(rec.module)
+    if rule is not None and rule.forward_saved is not None:
+        rec.saved = rule.forward_saved(rec.module, output)
 
 
 def layer_norms_sq(rec: LayerRecord, wanted: set[int], s: Settings) -> list[torch.Tensor]:
