@@ -29,8 +29,8 @@ import importlib
 import importlib.metadata
 import inspect
 import json
-import marshal
 import sys
+import types
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -189,7 +189,7 @@ def _code_of(value: Any) -> bytes:
     if _from_a_library(value):
         return b""
     if inspect.isfunction(value) or inspect.ismethod(value):
-        return marshal.dumps(value.__code__)
+        return _code_bytes(value.__code__)
     if inspect.isclass(value):
         return b"".join(
             _code_of(v) for _, v in sorted(vars(value).items()) if inspect.isfunction(v)
@@ -202,6 +202,30 @@ def _code_of(value: Any) -> bytes:
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return b"".join(_code_of(getattr(value, f.name)) for f in dataclasses.fields(value))
     return b""
+
+
+def _code_bytes(code: types.CodeType) -> bytes:
+    """What a code object computes: its bytecode, names and constants, nested code objects
+    included, line numbers left out. Not `marshal.dumps`: its output marks an object shared by
+    reference depending on the object's reference count, so a function's bytes changed while a
+    closure made from its nested code was alive elsewhere (a model wrapped earlier in the
+    process: the memo then missed in the same process, seen 2026-11-28), and a frozenset
+    constant's order follows the process's string hash seed."""
+    fields = (
+        code.co_code, code.co_names, code.co_varnames, code.co_freevars, code.co_cellvars,
+        code.co_argcount, code.co_posonlyargcount, code.co_kwonlyargcount, code.co_flags,
+    )  # fmt: skip
+    return repr(fields).encode() + _constant_bytes(code.co_consts)
+
+
+def _constant_bytes(c: Any) -> bytes:
+    if isinstance(c, types.CodeType):
+        return b"<code " + _code_bytes(c) + b">"
+    if isinstance(c, tuple):
+        return b"(" + b",".join(_constant_bytes(v) for v in c) + b")"
+    if isinstance(c, frozenset):
+        return b"{" + b",".join(sorted(_constant_bytes(v) for v in c)) + b"}"
+    return f"{type(c).__name__}:{c!r}".encode()
 
 
 def _from_a_library(value: Any) -> bool:
