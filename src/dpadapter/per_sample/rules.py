@@ -22,8 +22,10 @@ padded Conv2d subclass pads differently; those go to torch.func (`functional`).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import NamedTuple
 
 import torch
@@ -49,6 +51,11 @@ class LayerRecord:
     @property
     def n(self) -> int:
         return self.a.shape[0]
+
+    @cached_property
+    def rule(self) -> LayerRule | None:
+        """The layer's table entry, looked up once per record, not in each phase of the step."""
+        return rule_for(self.module)
 
 
 @dataclass(frozen=True)
@@ -208,7 +215,7 @@ def group_norm_grads(module: nn.GroupNorm, a: torch.Tensor, g: torch.Tensor, sav
     autograd's GroupNorm backward uses, `(sum g x - mean sum g) rstd`.
     """
     n, c = a.shape[:2]
-    hw = a[0, 0].numel()
+    hw = math.prod(a.shape[2:])
     groups = n * module.num_groups
     stats = saved if saved and all(t.dtype == a.dtype for t in saved) else ()
     if not stats:
@@ -216,7 +223,8 @@ def group_norm_grads(module: nn.GroupNorm, a: torch.Tensor, g: torch.Tensor, sav
             a, None, None, n, c, hw, module.num_groups, module.eps
         )[1:]
     mean, rstd = (t.reshape(1, groups) for t in stats)
-    # the kernel reads the weight's device only when no input gradient is asked for
+    # not read when no input gradient is asked for, but it must be given (a NaN weight changes
+    # nothing on the CPU; on CUDA the CUDA tests of test_bookkeeping.py check the result)
     weight = a.new_empty(1).expand(n * c)
     _, gw, gb = torch.ops.aten.native_group_norm_backward(
         g.reshape(1, n * c, hw), a.reshape(1, n * c, hw), mean, rstd, weight,
@@ -291,7 +299,7 @@ def closed_form(m: nn.Module) -> bool:
 
 def forward_saved(rec: LayerRecord, output: torch.Tensor) -> None:
     """Keep what the layer's forward computed that its rule reuses (its table entry says)."""
-    rule = rule_for(rec.module)
+    rule = rec.rule
     if rule is not None and rule.forward_saved is not None:
         rec.saved = rule.forward_saved(rec.module, output)
 
@@ -299,7 +307,7 @@ def forward_saved(rec: LayerRecord, output: torch.Tensor) -> None:
 def layer_norms_sq(rec: LayerRecord, wanted: set[int], s: Settings) -> list[torch.Tensor]:
     """Squared per-example gradient norms (n,) of one layer's wanted trained parameters, as
     parts to add; the parameters whose gradients are kept (`rec.kept`) are left out of them."""
-    rule = rule_for(rec.module)
+    rule = rec.rule
     assert rule is not None and rec.g is not None
     w, b = rec.params.get("weight"), rec.params.get("bias")
     rec.kept = {}
@@ -316,7 +324,7 @@ def layer_sums(
     rec: LayerRecord, weights: torch.Tensor, wanted: set[int]
 ) -> dict[int, torch.Tensor]:
     """Weighted sums of one layer's per-example gradients (weights: clip factor x loss scale)."""
-    rule = rule_for(rec.module)
+    rule = rec.rule
     a, g = rec.a, rec.g
     assert rule is not None and g is not None
     out: dict[int, torch.Tensor] = {}
