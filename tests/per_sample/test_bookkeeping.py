@@ -17,7 +17,8 @@ from opacus.optimizers import DPOptimizer
 from torch import nn
 
 from dpadapter.models import MODEL_NAMES, create_model
-from dpadapter.per_sample import dp_optimizer, effective_mode, wrap_for_dp
+from dpadapter.per_sample import conv as conv_mod
+from dpadapter.per_sample import dp_optimizer, effective_mode, rules, wrap_for_dp
 from dpadapter.per_sample.bookkeeping import BookKeepingModule
 from dpadapter.per_sample.conv import per_example_grouped, per_example_im2col
 from dpadapter.settings import ModelConfig
@@ -98,15 +99,18 @@ def _data(shape, classes, n=8):
     return x, torch.randint(0, classes, (n,), generator=g)
 
 
-@pytest.mark.parametrize("strategy", ["auto", "auto-launch-bound", "ghost", "per-example"])
+@pytest.mark.parametrize(
+    "strategy", ["auto", "auto-launch-bound", "ghost", "ghost-launch-bound", "per-example"]
+)
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_clipped_sum_equals_the_per_example_reference(case, strategy):
-    """Every path of the closed forms; "auto-launch-bound": the choices made on a GPU."""
+    """Every path of the closed forms; "-launch-bound": the choices and one-kernel patches
+    (`conv.columns`) of a GPU."""
     model, shape, classes = CASES[case]()
     model = model.double()
     x, y = _data(shape, classes)
     ref, c = reference(copy.deepcopy(model), x, y, None)
-    launch_bound = strategy == "auto-launch-bound" or None
+    launch_bound = strategy.endswith("-launch-bound") or None
     strategy = strategy.removesuffix("-launch-bound")
     got = bk_sum(copy.deepcopy(model), x, y, c, launch_bound, strategy=strategy)
     err = float((got - ref).norm() / ref.norm())
@@ -139,7 +143,7 @@ CONVS = {  # (in, out, kernel, stride, padding, dilation, groups)
 }
 
 
-@pytest.mark.parametrize("kernel", ["im2col", "grouped"])
+@pytest.mark.parametrize("kernel", ["im2col", "im2col-one-kernel", "grouped"])
 @pytest.mark.parametrize("conv", sorted(CONVS))
 def test_per_example_conv_gradients_match_autograd(conv, kernel):
     """Both per-example kernels against one autograd weight gradient per example."""
@@ -155,15 +159,33 @@ def test_per_example_conv_gradients_match_autograd(conv, kernel):
     workspace: dict = {}
     # Full batch, a smaller one (a prefix of the kept buffer), the full one again (reused).
     for rows in (slice(0, 5), slice(1, 3), slice(0, 5)):
-        if kernel == "im2col":
-            got = per_example_im2col(m, a[rows], g[rows], workspace)
+        if kernel.startswith("im2col"):
+            one = kernel == "im2col-one-kernel"
+            got = per_example_im2col(m, a[rows], g[rows], workspace, one_kernel=one)
         else:
             got = per_example_grouped(m, a[rows], g[rows], m.weight)
         assert got.shape == want[rows].shape
         assert torch.allclose(got, want[rows], rtol=1e-10, atol=1e-12)
     # im2col keeps its patches' buffer, and the zero-bordered padded input's if it pads
     padding = m.padding != (0, 0)
-    assert len(workspace) == ((1 + padding) if kernel == "im2col" else 0)
+    assert len(workspace) == ((1 + padding) if kernel == "im2col" else 0)  # one kernel: none
+
+
+@pytest.mark.parametrize("conv", sorted(c for c in CONVS if CONVS[c][-1] == 1))
+def test_ghost_norms_from_one_kernel_patches_equal_the_copied_patches(conv):
+    """The GPU's patches (`conv.columns`, channel-major columns from one im2col kernel) give
+    the ghost norm of the CPU's (`conv.patches`), and both the per-example gradients' norms."""
+    c_in, c_out, k, stride, pad, dil, groups = CONVS[conv]
+    torch.manual_seed(0)
+    m = nn.Conv2d(c_in, c_out, k, stride, pad, dil, groups, bias=False).double()
+    a = torch.randn(5, c_in, 9, 8, dtype=torch.float64)
+    g = torch.randn_like(m(a))
+    g3 = g.reshape(5, c_out, -1)
+    copied = rules.ghost(conv_mod.patches(m, a, {}), g3)
+    one_kernel = rules.ghost(conv_mod.columns(m, a).transpose(1, 2), g3)
+    want = per_example_grouped(m, a, g, m.weight).reshape(5, -1).pow(2).sum(1)
+    assert torch.allclose(copied, want, rtol=1e-10, atol=0)
+    assert torch.allclose(one_kernel, want, rtol=1e-10, atol=0)
 
 
 def test_workspace_keeps_one_buffer_per_layer_layout_across_batch_sizes():
@@ -289,7 +311,6 @@ def tf32_on():
 
 def test_clipping_runs_in_full_fp32_and_restores_the_flags(tf32_on, monkeypatch):
     """Norms and clipped sums both see TF32 off; the job's flags come back after the clip."""
-    from dpadapter.per_sample import rules
 
     seen: dict[str, tuple[str, bool]] = {}
     for name in ("layer_norms_sq", "layer_sums"):
@@ -361,7 +382,6 @@ def test_the_flags_are_restored_when_clipping_fails(tf32_on):
 def test_where_launches_dominate_a_kept_conv_skips_the_ghost_paths_kernels():
     """GNResNet-10's second shortcut (1x1, 128->256, 14x14 -> 7x7): ghost by the CPU's count;
     per-example and kept where launches dominate, but only while its gradients fit `keep`."""
-    from dpadapter.per_sample import rules
 
     conv = nn.Conv2d(128, 256, 1, stride=2, bias=False)
     a, g = torch.randn(4, 128, 14, 14), torch.randn(4, 256, 7, 7)
@@ -381,7 +401,6 @@ def test_where_launches_dominate_a_kept_conv_skips_the_ghost_paths_kernels():
 def test_groupnorm_gradients_from_the_forwards_statistics(layout):
     """GroupNorm's per-example gradients from one backward kernel, with the mean and 1/std its
     forward saved or recomputed, against float64 autograd per example."""
-    from dpadapter.per_sample import rules
 
     torch.manual_seed(0)
     gn = nn.GroupNorm(4, 8)

@@ -398,7 +398,7 @@ class BookKeepingModule(nn.Module):
             else:
                 parts += rules.layer_norms_sq(rec, wanted, self._settings)
         # the kept gradients' norms in one reduction, their sums later in one product (`arena`)
-        self._arenas = arena.gather(taken, self._loss_scale)
+        self._arenas = arena.gather(taken, self._loss_scale, self.workspace)
         parts += [a.norms_sq() for a in self._arenas]
         assert parts
         total = parts[0] if len(parts) == 1 else torch.stack(parts).sum(0)

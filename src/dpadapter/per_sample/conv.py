@@ -14,6 +14,7 @@ group). Hence `IM2COL_MAX_IN_CHANNELS`. The rule that picks a kernel is in `rule
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from dpadapter.per_sample.buffers import Workspace, buffer
@@ -45,22 +46,27 @@ def per_example_im2col(
     a: torch.Tensor,
     g: torch.Tensor,
     workspace: Workspace | None = None,
+    one_kernel: bool = False,
 ) -> torch.Tensor:
     """(n, Cout, Cin/G, kh, kw): `g_i^T P_i` per example and group, P the input patches.
 
     The patches are laid out (n, Cin, kh, kw, T) by one strided copy of the padded input's
     windows (rows stay contiguous), which on this CPU is 8x faster than `F.unfold` for one
     input channel and ran 1.7-2.2x faster than the kh*kw slice copies it replaced (issue 47: one
-    kernel, not kh*kw; docs/speed.md).
+    kernel, not kh*kw; docs/speed.md). `one_kernel` (where launches dominate): `columns`, one
+    kernel where the padding and the copy take two.
     """
     (kh, kw) = module.kernel_size
     n, c_in = a.shape[:2]
     c_out, ho, wo = g.shape[1:]
     groups = module.groups
-    buf = buffer(workspace, "im2col", (n, c_in, kh, kw, ho, wo), a)
-    buf.copy_(_windows(module, padded(module, a, workspace)).permute(0, 1, 4, 5, 2, 3))
     d = c_in // groups * kh * kw
-    patches = buf.view(n * groups, d, ho * wo)
+    if one_kernel:
+        patches = columns(module, a).view(n * groups, d, ho * wo)
+    else:
+        buf = buffer(workspace, "im2col", (n, c_in, kh, kw, ho, wo), a)
+        buf.copy_(_windows(module, padded(module, a, workspace)).permute(0, 1, 4, 5, 2, 3))
+        patches = buf.view(n * groups, d, ho * wo)
     out = torch.bmm(g.reshape(n * groups, c_out // groups, ho * wo), patches.transpose(1, 2))
     return out.reshape(n, c_out, c_in // groups, kh, kw)
 
@@ -108,6 +114,17 @@ def _windows(module: nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
     (kh, kw), (sh, sw), (dh, dw) = module.kernel_size, module.stride, module.dilation
     v = x.unfold(2, dh * (kh - 1) + 1, sh).unfold(3, dw * (kw - 1) + 1, sw)
     return v[..., ::dh, ::dw]
+
+
+def columns(module: nn.Conv2d, a: torch.Tensor) -> torch.Tensor:
+    """Input patches (n, Cin*kh*kw, T) from one im2col kernel (`F.unfold`), padding included.
+
+    Where kernel launches dominate (a GPU at our users' sizes, issue 47) one kernel instead of
+    the padded copy and the strided copy of `patches`; on this CPU `F.unfold` ran 2-8x slower
+    than those two (ResNet20's and GNResNet-10's convolutions at batch 64, docs/speed.md), so
+    the CPU keeps them. The same values in another order of the columns (channel-major), which
+    a Gram product over the positions does not see."""
+    return F.unfold(a, module.kernel_size, module.dilation, module.padding, module.stride)
 
 
 def patches(module: nn.Conv2d, a: torch.Tensor, workspace: Workspace | None = None) -> torch.Tensor:

@@ -127,6 +127,8 @@ def linear_sum(module: nn.Module, name: str, p, a: torch.Tensor, gw: torch.Tenso
 
 
 # --- Conv2d (zeros padding, any groups, stride, dilation) ------------------------------------
+
+
 def conv_norms_sq(rec: LayerRecord, w, b, s: Settings) -> list[torch.Tensor | None]:
     parts: list[torch.Tensor | None] = []
     if w is not None:
@@ -168,16 +170,20 @@ def conv_weight_norms_sq(
     groups = module.groups
     d = c_in // groups * module.kernel_size[0] * module.kernel_size[1]
     p = c_out // groups
-    if s.launches_dominate(a) and n * groups * d * p <= s.keep:
+    launch_bound = s.launches_dominate(a)
+    if launch_bound and n * groups * d * p <= s.keep:
         cheaper = t * t * (d + p) < 0.5 * t * d * p + 2 * d * p
     else:
         cheaper = t * t * (d + p) < 1.5 * t * d * p
     if groups == 1 and (s.strategy == "ghost" or (s.strategy == "auto" and cheaper)):
         rec.strategy = "ghost"
-        return ghost(conv.patches(module, a, s.workspace), g.reshape(n, c_out, t))
+        g3 = g.reshape(n, c_out, t)
+        if launch_bound:  # patches from one kernel (`conv.columns`), (n, d, T) transposed
+            return ghost(conv.columns(module, a).transpose(1, 2), g3)
+        return ghost(conv.patches(module, a, s.workspace), g3)
     if groups == 1 and c_in <= conv.IM2COL_MAX_IN_CHANNELS:
         rec.strategy = "per-example-im2col"
-        grads = conv.per_example_im2col(module, a, g, s.workspace)
+        grads = conv.per_example_im2col(module, a, g, s.workspace, one_kernel=launch_bound)
     else:
         rec.strategy = "per-example"
         grads = conv.per_example_grouped(module, a, g, w)
