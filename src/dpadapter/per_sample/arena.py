@@ -54,9 +54,9 @@ class Arena:
         """(n,) each example's squared norm over every gradient in the arena.
 
         The squares go into a kept buffer: a fresh one of the arena's size (tens of MB) cost
-        its page faults every step on the CPU, 26 against 5 ms for 14 M values (ResNet20-GN's
-        kept convolutions at batch 64, docs/speed.md). `linalg.vector_norm` would need no buffer
-        and ran faster still, but was 4e-6 off relatively on this CPU, against 1e-7 for these."""
+        its page faults every step on the CPU, 26 against 5 ms for 14 M values (docs/speed.md).
+        `linalg.vector_norm` would need no buffer and ran faster still, but was 4e-6 off
+        relatively on this CPU, against 1e-7 for these."""
         sq = buffer(self.workspace, "arena-squares", tuple(self.flat.shape), self.flat)
         return torch.pow(self.flat, 2, out=sq).sum(1)
 
@@ -83,13 +83,10 @@ def gather(records: Iterable, scale_of, workspace: Workspace | None = None) -> l
     for i, ((_, _, scale), entries) in enumerate(groups.items()):
         n = entries[0][2].shape[0]
         rows = [grads.reshape(n, -1) for _, _, grads in entries]
-        flat = (
-            _joined(
-                rows, buffer(workspace, f"arena{i}", (n, sum(r.shape[1] for r in rows)), rows[0])
-            )
-            if len(rows) > 1
-            else rows[0]
-        )
+        flat = rows[0]
+        if len(rows) > 1:
+            width = sum(r.shape[1] for r in rows)
+            flat = _joined(rows, buffer(workspace, f"arena{i}", (n, width), rows[0]))
         slots, start = {}, 0
         for (rec, pid, grads), row in zip(entries, rows, strict=True):
             width = row.shape[1]

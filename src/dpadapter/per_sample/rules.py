@@ -127,8 +127,6 @@ def linear_sum(module: nn.Module, name: str, p, a: torch.Tensor, gw: torch.Tenso
 
 
 # --- Conv2d (zeros padding, any groups, stride, dilation) ------------------------------------
-
-
 def conv_norms_sq(rec: LayerRecord, w, b, s: Settings) -> list[torch.Tensor | None]:
     parts: list[torch.Tensor | None] = []
     if w is not None:
