@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import snakemake_runner  # tests/ is on sys.path
 import yaml
 
 from dpadapter.algorithms import ALGORITHMS
@@ -24,7 +25,7 @@ def _snakemake(workdir: Path, *args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{workdir / 'mlruns.db'}"}
     cmd = [sys.executable, "-m", "snakemake", "--snakefile", str(REPO / "Snakefile")]
     cmd += ["--directory", str(workdir), "--cores", "2", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    return snakemake_runner.run(cmd, capture_output=True, text=True, env=env, timeout=600)
 
 
 def _workdir(tmp_path, tiny_raw, audit):

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 import pytest
+import snakemake_runner  # tests/ is on sys.path
 import torch
 from cluster_helpers import REPO, job_env, stop_daemon, tiny_workdir
 
@@ -178,7 +179,7 @@ def test_a_table_accumulates_over_allocations_and_a_cut_job_resumes(tiny_raw, tm
     dpsgd = json.loads((finished_out / "metrics.json").read_text())
 
     # --- between allocations: the table so far, from the finished cell only
-    so_far = subprocess.run(
+    so_far = snakemake_runner.run(
         _snakemake(wd, "table_so_far"), cwd=wd, env=_env(wd), capture_output=True, text=True,
         timeout=120,
     )  # fmt: skip
@@ -211,7 +212,7 @@ def test_a_table_accumulates_over_allocations_and_a_cut_job_resumes(tiny_raw, tm
         stderr=subprocess.STDOUT,
         text=True,
     )  # fmt: skip
-    second = subprocess.run(
+    second = snakemake_runner.run(
         _snakemake(wd), cwd=wd, env=_env(wd), capture_output=True, text=True, timeout=300
     )
     ref_log, _ = reference.communicate(timeout=300)

@@ -3,11 +3,11 @@ paper's linear probe unless the config says otherwise), not part of `all`."""
 
 import copy
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import snakemake_runner  # tests/ is on sys.path
 import yaml
 from tiny_config import TINY_RAW
 
@@ -21,7 +21,7 @@ def _dry_run(wd: Path, *targets: str) -> str:
     env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{wd / 'mlruns.db'}"}
     cmd = [sys.executable, "-m", "snakemake", "--snakefile", str(REPO / "Snakefile"),
            "--directory", str(wd), "--cores", "2", "-n", *targets]  # fmt: skip
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    r = snakemake_runner.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     return r.stdout + r.stderr
 

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import snakemake_runner  # tests/ is on sys.path
 
 from dpadapter.settings import ConfigError, key_lines, read_raw
 from dpadapter.validation.compose import load, validate_files
@@ -123,7 +124,9 @@ def _dry_run(tmp_path: Path, configfile: Path) -> subprocess.CompletedProcess:
         "--configfile", configfile.name,
     ]  # fmt: skip
     env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlruns.db'}"}
-    return subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
+    return snakemake_runner.run(
+        cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env
+    )
 
 
 @pytest.mark.slow

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import snakemake_runner  # tests/ is on sys.path
 import yaml
 
 from dpadapter.settings import (
@@ -240,7 +241,7 @@ def _snakemake(workdir: Path, configfile: Path, *args: str) -> subprocess.Comple
     # targets before --configfile, which takes every argument after it
     cmd += ["--directory", str(workdir), "--cores", "1", *args, "--configfile", str(configfile)]
     env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{workdir / 'mlruns.db'}"}
-    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    return snakemake_runner.run(cmd, capture_output=True, text=True, env=env, timeout=300)
 
 
 @pytest.mark.slow

@@ -11,11 +11,11 @@ naming the key and write nothing.
 
 import copy
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import snakemake_runner  # tests/ is on sys.path
 import yaml
 
 from dpadapter.settings import ConfigError
@@ -130,7 +130,7 @@ def test_snakemake_dry_run_refuses_mutants_and_writes_nothing(tmp_path, mid):
     _, raw, key = next(m for m in CORPUS if m[0] == mid)
     raw["results_dir"] = str(tmp_path / "results")
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(raw))
-    r = subprocess.run(
+    r = snakemake_runner.run(
         [
             sys.executable,
             "-m",

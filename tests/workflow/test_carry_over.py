@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import snakemake_runner  # tests/ is on sys.path
 import yaml
 
 from dpadapter.settings import from_dict
@@ -39,7 +40,7 @@ def _snakemake(wd: Path, *args: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", OVERWRITE_ENV)}
     cmd = [sys.executable, "-m", "snakemake", "--snakefile", str(REPO / "Snakefile"),
            "--directory", str(wd), "--cores", "1", *args]  # fmt: skip
-    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    return snakemake_runner.run(cmd, capture_output=True, text=True, env=env, timeout=600)
 
 
 def _old_identity(raw: dict) -> dict:

@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import snakemake_runner  # tests/ is on sys.path
 import yaml
 from external_helpers import save_table3_checkpoints, write_image_folder
 
@@ -37,7 +38,7 @@ def snakemake(wd: Path, *args: str, config: str = "tiny.yaml") -> subprocess.Com
     cmd = [sys.executable, "-m", "snakemake", "--snakefile", str(REPO / "Snakefile")]
     cmd += ["--directory", str(wd), "--cores", "2", *args, "--configfile", str(wd / config)]
     env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{wd / 'mlruns.db'}"}
-    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+    return snakemake_runner.run(cmd, capture_output=True, text=True, env=env, timeout=900)
 
 
 def make_workdir(wd: Path, seeds: list[int] | None = None) -> Path:

@@ -5,6 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import snakemake_runner  # tests/ is on sys.path
 import yaml
 
 REPO = Path(__file__).resolve().parents[2]
@@ -14,7 +15,7 @@ def _dry_run(workdir: Path, *targets: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "snakemake", "-n", "--snakefile", str(REPO / "Snakefile")]
     cmd += ["--directory", str(workdir), "--cores", "1", *targets]
     env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{workdir / 'mlruns.db'}"}
-    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    return snakemake_runner.run(cmd, capture_output=True, text=True, env=env, timeout=300)
 
 
 def test_dry_run_writes_nothing_into_results(tmp_path, tiny_raw):

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import snakemake_runner  # tests/ is on sys.path
 import yaml
 
 from dpadapter.settings import from_dict
@@ -35,7 +36,7 @@ def _snakemake(wd: Path, *args: str, **env_extra: str) -> subprocess.CompletedPr
     env.update(env_extra)
     cmd = [sys.executable, "-m", "snakemake", "--snakefile", str(REPO / "Snakefile"),
            "--directory", str(wd), "--cores", "1", *args]  # fmt: skip
-    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    return snakemake_runner.run(cmd, capture_output=True, text=True, env=env, timeout=600)
 
 
 def test_identity_names_the_sections_that_differ(tiny_raw, tmp_path):

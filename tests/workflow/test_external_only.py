@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import snakemake_runner  # tests/ is on sys.path
 import yaml
 from external_helpers import params_for, save_as, source_model
 from tiny_config import TINY_RAW
@@ -47,7 +48,7 @@ def snakemake(wd: Path, *args: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "snakemake", "--snakefile", str(REPO / "Snakefile")]
     cmd += ["--directory", str(wd), "--cores", "2", *args, "--configfile", str(wd / "mine.yaml")]
     env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{wd / 'mlruns.db'}"}
-    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    return snakemake_runner.run(cmd, capture_output=True, text=True, env=env, timeout=600)
 
 
 def make_workdir(wd: Path) -> Path:

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import snakemake_runner  # tests/ is on sys.path
 import yaml
 from report_browser import open_report
 from tiny_config import TINY_RAW
@@ -45,7 +46,7 @@ def _snakemake(
         "2",
         *args,
     ]
-    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    return snakemake_runner.run(cmd, capture_output=True, text=True, env=env, timeout=600)
 
 
 @pytest.fixture(scope="module")

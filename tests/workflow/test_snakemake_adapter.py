@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import snakemake_runner  # tests/ is on sys.path
 
 from dpadapter.workflow import snakemake_adapter as smk
 
@@ -70,7 +70,7 @@ SNAKEFILE = textwrap.dedent(
 
 
 def _snakemake(wd: Path, *args: str) -> dict:
-    r = subprocess.run(
+    r = snakemake_runner.run(
         [sys.executable, "-m", "snakemake", "--cores", "1", *args],
         cwd=wd, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
