@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+import snakemake_runner  # tests/ is on sys.path
 import yaml
 from proc_helpers import children as _children
 from tiny_config import TINY_RAW
@@ -266,7 +267,7 @@ def test_a_workflow_run_uses_inherited_servers_and_stops_only_its_own(
            "--directory", str(tmp_path), "--cores", "2",
            "results/finetune/scratch/syn-shift/dpsgd/eps4/seed0/metrics.json"]  # fmt: skip
     env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlruns.db'}"}
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    r = snakemake_runner.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     assert not (tmp_path / "results" / "logs" / "prefork.log").exists()  # no server of its own
     for path in shared_fork_servers.env.split(os.pathsep):

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+import snakemake_runner  # tests/ is on sys.path
 
 from dpadapter import tracking
 from dpadapter.settings import TrackingConfig
@@ -478,7 +479,7 @@ def test_the_workflow_refuses_required_tracking_before_any_job(tiny_raw, tmp_pat
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(tiny_raw))
     repo = Path(__file__).resolve().parents[2]
     uri = _closed_port_uri()
-    r = subprocess.run(
+    r = snakemake_runner.run(
         [sys.executable, "-m", "snakemake", "--snakefile", str(repo / "Snakefile"),
          "--directory", str(tmp_path), "--cores", "1", "results/warmup/model.pt"],
         capture_output=True, text=True, timeout=600,

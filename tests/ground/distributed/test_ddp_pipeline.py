@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import copy
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import snakemake_runner  # tests/ is on sys.path
 import torch
 import yaml
 from tiny_config import TINY_RAW
@@ -36,7 +36,7 @@ def test_two_process_fine_tuning_jobs_in_the_tiny_pipeline(tmp_path, shared_fork
     # the worker's fork servers (tests/conftest.py) serve the run, as its own would
     shared = shared_fork_servers.log
     before = shared.stat().st_size if shared.is_file() else 0
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    p = snakemake_runner.run(cmd, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-4000:]
     jobs = sorted((tmp_path / "results" / "finetune").rglob("metrics.json"))
     assert len(jobs) == 4  # 2 upstreams x 2 algorithms
