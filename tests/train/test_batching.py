@@ -84,6 +84,13 @@ def test_poisson_batches_match_opacus_dp_data_loader_and_pad_to_one_shape():
     assert len(ours) == len(ref)
     for (_, a), (_, b) in zip(ref, ours, strict=True):
         assert torch.equal(a, b)
+    # An iterator made and dropped (the training loop's tqdm.auto makes one in its
+    # constructor) draws from the generator in both, when it is made.
+    ref = DPDataLoader(data, sample_rate=0.1, generator=torch.Generator().manual_seed(3))
+    ours = PoissonBatches(data, 0.1, torch.Generator().manual_seed(3), torch.device("cpu"))
+    iter(ref), iter(ours)
+    for (_, a), (_, b) in zip(ref, ours, strict=True):
+        assert torch.equal(a, b)
 
     class _Opt:  # what BatchSplittingSampler and the padding talk to
         def signal_skip_step(self, do_skip):
@@ -108,7 +115,7 @@ def test_shuffled_batches_equal_a_shuffling_data_loader():
 
 @pytest.mark.parametrize("algo", sorted(ALGORITHMS))
 @pytest.mark.parametrize("physical,mode", [(None, "ew"), (16, "ew"), (16, "bk")])
-def test_padding_changes_no_algorithm_update(algo, physical, mode, tiny_cfg, monkeypatch):
+def test_padding_changes_no_algorithm_update(algo, physical, mode, tiny_cfg):
     """Every registered algorithm: the same weights with padded and with unpadded batches.
 
     The padded run pads to `physical` rows (splitting larger Poisson batches into virtual
@@ -128,11 +135,8 @@ def test_padding_changes_no_algorithm_update(algo, physical, mode, tiny_cfg, mon
     # is added over a longer batch) into a visibly different anchor basis at the next refresh
     # (its top singular values are nearly equal here), so it is compared over one step.
     max_steps = 1 if algo == "gep" else None
-    # Both runs take the gathered (CUDA) batch path, unpadded and padded: the CPU production
-    # path keeps Opacus' DPDataLoader object, whose Poisson stream is checked separately above.
-    import dpadapter.train.dp_fit as fit
-
-    monkeypatch.setattr(fit, "dp_batches", PoissonBatches)
+    # The production paths: unpadded on the CPU, Opacus' DPDataLoader (split by
+    # `wrap_data_loader`); padded, `PoissonBatches` (a GPU's path).
     out = []
     for pad in (False, True):
         run_cfg = dataclasses.replace(  # tf32 off: dp_fit sets the flags from the config

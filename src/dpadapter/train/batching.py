@@ -131,9 +131,15 @@ class PoissonBatches:
         return len(self.poisson)
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        # A DataLoader's iterator draws its workers' base seed from the same generator before
-        # the first batch; drawing it too keeps the batches of runs made with DPDataLoader.
+        # A DataLoader's iterator draws its workers' base seed from the same generator when it
+        # is made, not at its first batch; drawing it the same way keeps the batches of
+        # DPDataLoader's runs, also where an iterator is made and dropped (tqdm.auto's
+        # `tqdm_asyncio` makes one in its constructor, then iterates afresh: two draws per
+        # epoch on both paths; tests/train/test_batching.py).
         torch.empty((), dtype=torch.int64).random_(generator=self.poisson.generator)
+        return self._batches()
+
+    def _batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         for idx in self.indices:
             rows = torch.as_tensor(idx, dtype=torch.long)
             x, y = gather(self.x, rows, self.device), gather(self.y, rows, self.device)
