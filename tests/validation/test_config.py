@@ -52,6 +52,19 @@ def test_a_config_file_loads_the_same_from_any_working_directory(tmp_path, monke
         (lambda r: r["model"].update(name="vgg-nope"), "vgg-nope"),
         (lambda r: r["privacy"].update(delta=2), "privacy.delta"),
         (lambda r: r["finetune"].update(grad_sample_mode="ghost"), "grad_sample_mode"),
+        (lambda r: r["finetune"].update(compile="fast"), "finetune.compile"),
+        (
+            lambda r: r["finetune"].update(compile="default", grad_sample_mode="hooks"),
+            "finetune.compile: 'default' compiles book-keeping only",
+        ),
+        (
+            lambda r: r["finetune"].update(compile="default", pad_batches=False),
+            "finetune.compile: a compiled step is compiled once per batch shape",
+        ),
+        (
+            lambda r: r["finetune"].update(compile="reduce-overhead", algorithms=["dpsgd", "gep"]),
+            "finetune.compile: 'gep' reads per-example gradients itself",
+        ),
     ],
 )
 def test_errors_name_the_bad_key(tiny_raw, mutate, expected):
@@ -166,6 +179,8 @@ def test_each_section_checks_itself_without_the_registries():
     with pytest.raises(ConfigError, match=r"hpo\.target_epsilons: linear-probe needs >= 1"):
         HPOConfig(target_epsilons=())
     assert FinetuneConfig().problems() == []
+    assert FinetuneConfig(compile=False).compile == "off"  # YAML's bare `off`
+    assert FinetuneConfig(compile="default").problems() == []
     assert (
         FinetuneConfig(optimizer="adam", momentum=0.9)
         .problems()[0]

@@ -36,6 +36,7 @@ from torch import nn
 from dpadapter.per_sample import check_memo
 from dpadapter.per_sample.bookkeeping import BookKeepingModule
 from dpadapter.per_sample.clip import clip_factors
+from dpadapter.per_sample.compiled import COMPILE_MODES, CompiledBookKeeping
 from dpadapter.per_sample.independence import (
     Independence,
     MixedExamplesError,
@@ -57,6 +58,7 @@ UNVERIFIED = {
 }
 
 __all__ = [
+    "COMPILE_MODES",
     "GRAD_SAMPLE_MODES",
     "PRECISIONS",
     "Independence",
@@ -88,6 +90,7 @@ def wrap_for_dp(
     check: bool = True,
     check_batch: int | None = None,
     check_memo_path: str | None = None,
+    compile: str = "off",
 ) -> nn.Module:
     """The module to train (loss reduction 'mean', batch first, as everywhere here).
 
@@ -98,13 +101,23 @@ def wrap_for_dp(
     at the wrapped module's first forward, on that batch's shape, and no self-test runs.
     `check_memo_path` (a results folder's `check_memo.memo_path`) runs the self-test once per
     architecture, mode and shapes in that folder; None runs it every time.
+    `compile` (`finetune.compile`): off, or torch.compile's mode for bk's forward and backward
+    (`compiled`); the self-test then checks the compiled path.
     The results are left on the wrapped module: `independence` (an `Independence`; None until
     it has run) and `per_sample_check` (the self-test's record, or None). A module that mixes
     examples raises MixedExamplesError; a self-test mismatch PerSampleCheckError.
     """
     mode = effective_mode(mode, needs_per_sample_gradients)
+    if compile != "off" and mode != "bk":
+        raise ValueError(
+            f"finetune.compile: {compile!r} compiles book-keeping (bk) only; this run clips "
+            f"in Opacus' {mode!r} mode (an algorithm that reads per-example gradients runs "
+            "hooks): set compile: off"
+        )
 
     def wrap() -> nn.Module:
+        if mode == "bk" and compile != "off":
+            return CompiledBookKeeping(model, mode=compile, loss_reduction="mean")
         if mode == "bk":
             return BookKeepingModule(model, loss_reduction="mean")
         return wrap_opacus(model, mode)
@@ -120,7 +133,7 @@ def wrap_for_dp(
                 check_memo_path,
                 model,
                 wrap,
-                mode,
+                mode if compile == "off" else f"{mode}+compile:{compile}",
                 shape,
                 dtype,
                 check_batch,

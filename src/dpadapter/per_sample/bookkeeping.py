@@ -186,11 +186,15 @@ class BookKeepingModule(nn.Module):
             first = next((a for a in tree_leaves((args, kwargs)) if torch.is_tensor(a)), None)
             self._rows = None if first is None or first.dim() == 0 else first.shape[0]
         try:
-            return self._module(*args, **kwargs)
+            return self._call(recording, *args, **kwargs)
         finally:
             for p in self._switched_off:
                 p.requires_grad_(True)
             self._switched_off = []
+
+    def _call(self, recording: bool, *args: Any, **kwargs: Any) -> Any:
+        """The wrapped model's forward (`compiled` runs a compiled one)."""
+        return self._module(*args, **kwargs)
 
     def _first_call(self, module: nn.Module, what: str, hint: str) -> dict[str, nn.Parameter]:
         """The module's trained parameters; a second call in one forward is refused (checked
@@ -199,7 +203,17 @@ class BookKeepingModule(nn.Module):
             raise RuntimeError(
                 f"grad_sample_mode 'bk': {what} is called twice in one forward; {hint}"
             )
+        return self._trained(module)
+
+    def _trained(self, module: nn.Module) -> dict[str, nn.Parameter]:
         return {n: p for n, p in module.named_parameters(recurse=False) if p.requires_grad}
+
+    def _switch_off(self, trained: dict[str, nn.Parameter]) -> None:
+        """No unclipped weight gradient where the output's gradient flows on anyway (restored
+        after the forward)."""
+        for p in trained.values():
+            p.requires_grad_(False)
+            self._switched_off.append(p)
 
     def _before_layer(self, module: nn.Module, args: tuple) -> None:
         if self._replaying or not torch.is_grad_enabled():
@@ -216,9 +230,7 @@ class BookKeepingModule(nn.Module):
         x = args[0]
         self._refuse_folded_rows(module, x)
         if x.requires_grad:  # the gradient still reaches this layer's output through x
-            for p in trained.values():
-                p.requires_grad_(False)
-                self._switched_off.append(p)
+            self._switch_off(trained)
         self.records[module] = LayerRecord(module, x.detach(), trained)
 
     def _refuse_folded_rows(self, module: nn.Module, x: torch.Tensor) -> None:
@@ -235,19 +247,26 @@ class BookKeepingModule(nn.Module):
             self._rows,
         )
 
-    def _after_layer(self, module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+    def _after_layer(self, module: nn.Module, args: tuple, output: torch.Tensor) -> Any:
         if self._replaying:
             return
         rec = self.records.get(module)
         if rec is None or not isinstance(output, torch.Tensor) or not output.requires_grad:
             return
         assert isinstance(rec, LayerRecord)
-        rules.forward_saved(rec, output)
+        if not torch.compiler.is_compiling():  # autograd's saved tensors: eager only
+            rules.forward_saved(rec, output)
+        return self._keep_grad(rec, output)
+
+    def _keep_grad(self, rec: LayerRecord | FuncRecord, t: torch.Tensor) -> torch.Tensor | None:
+        """Have the backward leave `t`'s gradient in `rec.g`; a tensor to use instead of `t`
+        (None: `t` itself). The compiled forward (`compiled`) adds a tap instead."""
 
         def keep(grad: torch.Tensor) -> None:
             rec.g = grad.detach()
 
-        output.register_hook(keep)
+        t.register_hook(keep)
+        return None
 
     def _before_func(self, name: str):
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -266,9 +285,7 @@ class BookKeepingModule(nn.Module):
                 )
             leaves = [v for v in tree_leaves((args, kwargs)) if torch.is_tensor(v)]
             if any(v.requires_grad for v in leaves):  # its output gets a gradient through them
-                for p in trained.values():
-                    p.requires_grad_(False)
-                    self._switched_off.append(p)
+                self._switch_off(trained)
             args, kwargs = tree_map(_detached, (args, kwargs))
             self.records[module] = FuncRecord(module, name, args, kwargs, trained)
 
@@ -290,7 +307,7 @@ class BookKeepingModule(nn.Module):
     def _at_tokens(self, owner: nn.Module):
         """At `pos_drop`'s input (the tokens' sum): the output gradient of `_pos_embed`."""
 
-        def hook(module: nn.Module, args: tuple) -> None:
+        def hook(module: nn.Module, args: tuple) -> tuple | None:
             rec = self.records.get(owner)
             if self._replaying or not isinstance(rec, FuncRecord) or rec.tokens is None:
                 return
@@ -298,16 +315,13 @@ class BookKeepingModule(nn.Module):
             self._refuse_folded_rows(owner, x)
             rec.n = x.shape[0]
             if x.requires_grad:
-
-                def keep(grad: torch.Tensor) -> None:
-                    rec.g = grad.detach()
-
-                x.register_hook(keep)
+                tapped = self._keep_grad(rec, x)
+                return None if tapped is None else (tapped, *args[1:])
 
         return hook
 
     def _after_func(self, name: str):
-        def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
             if self._replaying:
                 return
             rec = self.records.get(module)
@@ -326,13 +340,8 @@ class BookKeepingModule(nn.Module):
                     f"batch-first for a batch of {self._rows}"
                 )
             rec.n = output.shape[0]
-            if not output.requires_grad:
-                return
-
-            def keep(grad: torch.Tensor) -> None:
-                rec.g = grad.detach()
-
-            output.register_hook(keep)
+            if output.requires_grad:
+                return self._keep_grad(rec, output)
 
         return hook
 

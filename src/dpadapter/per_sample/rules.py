@@ -25,7 +25,6 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import cached_property
 from typing import NamedTuple
 
 import torch
@@ -52,10 +51,13 @@ class LayerRecord:
     def n(self) -> int:
         return self.a.shape[0]
 
-    @cached_property
-    def rule(self) -> LayerRule | None:
-        """The layer's table entry, looked up once per record, not in each phase of the step."""
-        return rule_for(self.module)
+    # The layer's table entry, looked up once per record, not in each phase of the step (set
+    # at construction: Python 3.11's cached_property takes a lock, which a compiled forward's
+    # trace cannot enter, `compiled`).
+    rule: LayerRule | None = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        self.rule = rule_for(self.module)
 
 
 @dataclass(frozen=True)

@@ -48,6 +48,8 @@ class Algorithm:
     name: str
     params_schema: dict[str, Any]
     distributed_refusal: str | None = None  # why finetune.processes > 1 cannot run it
+    # reads per-example gradients itself (GEP): runs Opacus' hooks under bk, never compiled
+    needs_per_sample_gradients: bool = False
 
 
 @dataclass(frozen=True)
@@ -61,7 +63,12 @@ class Upstream:
 def algorithms() -> dict[str, Algorithm]:
     """Registered DP algorithms by name, in registry order."""
     return {
-        n: Algorithm(n, e["params_schema"], e.get("distributed_refusal"))
+        n: Algorithm(
+            n,
+            e["params_schema"],
+            e.get("distributed_refusal"),
+            bool(e.get("needs_per_sample_gradients")),
+        )
         for n, e in _manifest()["algorithms"].items()
     }
 
@@ -119,7 +126,11 @@ def build() -> dict[str, Any]:
     manifest = {
         "sources_sha256": sources_digest(),
         "algorithms": {
-            n: {"params_schema": c.params_schema, "distributed_refusal": c.distributed_refusal}
+            n: {
+                "params_schema": c.params_schema,
+                "distributed_refusal": c.distributed_refusal,
+                "needs_per_sample_gradients": bool(c.needs_per_sample_gradients),
+            }
             for n, c in ALGORITHMS.items()
         },
         "upstreams": {

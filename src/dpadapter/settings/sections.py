@@ -200,15 +200,34 @@ class FinetuneConfig:
     # processes (GPUs) per fine-tuning job: > 1 runs it under torchrun, data-parallel, with one
     # Poisson sample, one clipped sum and one noise draw per step (dpadapter.ground.distributed)
     processes: int = 1
+    # torch.compile of bk's forward and backward (per_sample.compiled): off, or torch.compile's
+    # mode (reduce-overhead: CUDA graphs); batches are then padded to one shape
+    compile: str = "off"
+
+    def __post_init__(self) -> None:
+        if self.compile is False:  # YAML reads a bare `off` as false
+            object.__setattr__(self, "compile", "off")
 
     def problems(self) -> list[str]:
         """What the section gets wrong on its own (`key: text`)."""
+        out = []
         if self.optimizer == "adam" and self.momentum:
-            return [
+            out.append(
                 "finetune.momentum: adam has no momentum setting (its betas are torch's "
                 "defaults); set momentum: 0 or optimizer: sgd"
-            ]
-        return []
+            )
+        if self.compile != "off" and self.grad_sample_mode != "bk":
+            out.append(
+                f"finetune.compile: {self.compile!r} compiles book-keeping only; set "
+                f"grad_sample_mode: bk or compile: off (not {self.grad_sample_mode!r})"
+            )
+        if self.compile != "off" and self.pad_batches is False:
+            out.append(
+                "finetune.compile: a compiled step is compiled once per batch shape, and "
+                "unpadded Poisson batches have a new size at most steps; set pad_batches: auto "
+                "(padded when compiling) or true, or compile: off"
+            )
+        return out
 
     def grid_strategies(self) -> tuple[str, ...]:
         """The main grid's strategies: `strategies`, else the one `strategy`."""

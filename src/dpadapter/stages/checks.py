@@ -29,8 +29,15 @@ def algorithm_problems(cfg: Config) -> list[str]:
         for name in cfg.finetune.algorithms
         if name not in algos
     ]
+    used = dict.fromkeys(job[2] for job in cfg.finetune_grid())
+    if cfg.finetune.compile != "off":
+        out += [
+            f"finetune.compile: {name!r} reads per-example gradients itself and runs Opacus' "
+            "hooks, which are not compiled; set compile: off or leave it out of the grid"
+            for name in used
+            if name in algos and algos[name].needs_per_sample_gradients
+        ]
     if cfg.finetune.processes > 1:
-        used = dict.fromkeys(job[2] for job in cfg.finetune_grid())
         for name in used:
             why = algos[name].distributed_refusal if name in algos else None
             if why:

@@ -146,6 +146,7 @@ def run(
             "grad_sample_mode": cfg.finetune.grad_sample_mode,
             "grad_sample_mode_run": algo.grad_sample_mode,
             "physical_batch_size": cfg.finetune.physical_batch_size,
+            "compile": cfg.finetune.compile,
             "seed": seed,
             "n_train": len(data.train),
             "strategy": schedule.strategy,

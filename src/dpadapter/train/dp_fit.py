@@ -64,6 +64,8 @@ class FitSettings:
     # the results folder's memo of passed self-tests (per_sample.check_memo); None: every fit
     # runs the self-test
     per_sample_check_memo: str | None = None
+    # torch.compile of bk's step (per_sample.compiled): off or torch.compile's mode
+    compile: str = "off"
 
     @classmethod
     def from_config(cls, cfg: Config, lr: float | None = None) -> FitSettings:
@@ -82,6 +84,7 @@ class FitSettings:
             bn_affine=ft.bn_affine,
             randomness=cfg.privacy.randomness,
             per_sample_check_memo=check_memo.memo_path(cfg.results_dir),
+            compile=ft.compile,
         )
 
 
@@ -167,7 +170,11 @@ def dp_fit(
     needs_samples = algo.needs_per_sample_gradients
     # a rank's Poisson batch is about 1/k of the job's: its padded size follows its own mean
     local = spec if not world.multi else _per_rank(spec, world.size)
-    pad = padding(settings.pad_batches, settings.physical_batch_size, dev, local)
+    # a compiled step is compiled per batch shape: `auto` pads whenever it compiles
+    pad_mode = settings.pad_batches
+    if settings.compile != "off" and pad_mode == "auto":
+        pad_mode = True
+    pad = padding(pad_mode, settings.physical_batch_size, dev, local)
     # The independence check and the self-test draw synthetic inputs of the data's sample
     # shape (no private value is read), the self-test as many as a physical batch will hold.
     x = train.tensors[0]
@@ -181,6 +188,7 @@ def dp_fit(
             check=settings.per_sample_check,
             check_batch=pad or settings.physical_batch_size or local.expected_batch_size,
             check_memo_path=settings.per_sample_check_memo,
+            compile=settings.compile,
         )
     algo.grad_sample_mode = effective_mode(settings.grad_sample_mode, needs_samples)
     algo.per_sample_check = gsm.per_sample_check

@@ -1,0 +1,158 @@
+"""Book-keeping with a compiled forward and backward (`finetune.compile`, issue 47 item 3).
+
+Why: at the sizes our users train, a GPU step is bound by kernel launches (docs/gpu.md), and
+`torch.compile` fuses the model's element-wise kernels (GroupNorm, activations, residual adds)
+in the forward and in the backward AOTAutograd derives from it; `reduce-overhead` also replays
+the step's kernels as CUDA graphs. What is compiled is the wrapped model's forward with
+book-keeping's recording hooks traced into it (their inputs `a` and output gradients `g` come
+out of the compiled graphs exactly as from eager ones), nothing else: the norms, clip factors
+and clipped sums (`rules`), the noise and the Poisson sampling stay eager, so no compiled or
+replayed graph ever holds a random draw of the mechanism (docs/privacy.md).
+
+Two phases of the base differ, because Dynamo cannot trace them (a graph break per layer):
+
+- Switching weights off. Book-keeping switches a layer's weights' `requires_grad` off during
+  its forward where the output's gradient flows on through the input anyway (no unclipped
+  weight gradient is computed). Which ones follows from which parameters train and the input's
+  shape, not from the data: a planning forward, eager, on the same inputs under a forked RNG
+  and discarded, finds the switches, each recorded layer's trained parameters and each
+  recorded output's shape (`_Plan`); the compiled forward switches the same parameters off
+  before the call and restores them after, and its traced hooks read the plan.
+- Keeping the output gradient. A tensor hook that stores `g` is a side effect the compiled
+  backward cannot hold. Instead each recorded output gets a tap added, `out + z`, where `z` is
+  a zero leaf tensor of the output's shape (one stored zero, expanded): adding zero changes no
+  value, and autograd leaves d(loss)/dz = d(loss)/d(out) = `g` in `z.grad` from inside the
+  compiled backward. The records take their `g` from the taps before the norms.
+
+Every recording forward's output comes from the compiled graphs (the planning forward's is
+discarded), so the wrap-time self-test (`self_test`) checks the compiled path itself.
+
+Shapes: `dynamic=False`, one graph per physical batch shape. Training pads Poisson batches to
+one size when compiling (`train.batching.padding`); the self-test adds its small odd batch; a
+shape beyond Dynamo's cache limit runs eagerly (same result, slower).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_leaves
+
+from dpadapter.per_sample.bookkeeping import BookKeepingModule
+
+# `finetune.compile`: off, or torch.compile's mode (reduce-overhead: CUDA graphs on a GPU)
+COMPILE_MODES = ("off", "default", "reduce-overhead", "max-autotune")
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What the planning forward did for one set of trained parameters and input shapes."""
+
+    trained: dict[nn.Module, dict[str, nn.Parameter]]  # each recorded module's trained params
+    switched_off: tuple[nn.Parameter, ...]
+    outputs: dict[nn.Module, tuple[torch.Size, torch.dtype, torch.device]]  # taps' shapes
+
+
+class CompiledBookKeeping(BookKeepingModule):
+    """`BookKeepingModule` whose recording forward runs `torch.compile(model)` (see above)."""
+
+    def __init__(
+        self, module: nn.Module, mode: str = "default", backend: str = "inductor", **kw: Any
+    ):
+        if mode not in COMPILE_MODES[1:]:
+            raise ValueError(f"compile mode must be one of {COMPILE_MODES[1:]}, not {mode!r}")
+        super().__init__(module, **kw)
+        self.compile_mode, self.compile_backend = mode, backend
+        # Not a submodule (its parameters are the model's: no second copy in state_dict).
+        object.__setattr__(
+            self,
+            "_compiled",
+            torch.compile(module, mode=mode, backend=backend, dynamic=False),
+        )
+        self._plans: dict[tuple, _Plan] = {}
+        self._plan: _Plan | None = None  # the plan of the compiled forward under way
+        self._planning: dict[nn.Module, tuple] | None = None  # outputs seen while planning
+        self._taps: dict[nn.Module, torch.Tensor] = {}
+        self.plans_made = 0  # planning forwards (tests, the bench)
+
+    def _call(self, recording: bool, *args: Any, **kwargs: Any) -> Any:
+        if not recording:  # evaluation, torch.func's replays: nothing to record, nothing to fuse
+            return self._module(*args, **kwargs)
+        shapes = tuple(
+            (tuple(v.shape), v.dtype, v.device)
+            for v in tree_leaves((args, kwargs))
+            if torch.is_tensor(v)
+        )
+        key = (tuple(p.requires_grad for p in self._module.parameters()), shapes)
+        plan = self._plans.get(key) or self._make_plan(key, args, kwargs)
+        for p in plan.switched_off:  # restored by the base's forward, as after an eager one
+            p.requires_grad_(False)
+        self._switched_off = list(plan.switched_off)
+        self._taps = {
+            m: _zeros(dtype, device).expand(shape).requires_grad_()
+            for m, (shape, dtype, device) in plan.outputs.items()
+        }
+        self._plan = plan
+        try:
+            return self._compiled(*args, **kwargs)
+        finally:
+            self._plan = None
+
+    def _make_plan(self, key: tuple, args: tuple, kwargs: dict) -> _Plan:
+        """The eager planning forward (its output and records are dropped)."""
+        self.plans_made += 1
+        devices = [d for *_, d in key[1] if d.type == "cuda"][:1]
+        self._planning = {}
+        try:
+            with torch.random.fork_rng(devices=devices):
+                self._module(*args, **kwargs)
+            plan = _Plan(
+                {r.module: dict(r.params) for r in self.records.values()},
+                tuple(self._switched_off),
+                dict(self._planning),
+            )
+        finally:
+            self._planning = None
+            for p in self._switched_off:
+                p.requires_grad_(True)
+            self._switched_off = []
+            self.records = {}
+        self._plans[key] = plan
+        return plan
+
+    def _trained(self, module: nn.Module) -> dict[str, nn.Parameter]:
+        if self._plan is None:
+            return super()._trained(module)
+        return self._plan.trained.get(module, {})
+
+    def _switch_off(self, trained: dict[str, nn.Parameter]) -> None:
+        if self._plan is None:
+            super()._switch_off(trained)
+
+    def _keep_grad(self, rec, t: torch.Tensor) -> torch.Tensor | None:
+        if self._planning is not None:
+            self._planning[rec.module] = (t.shape, t.dtype, t.device)
+        if self._plan is None:
+            return super()._keep_grad(rec, t)
+        return t + self._taps[rec.module]
+
+    def _complete(self, params: list[nn.Parameter]):
+        for rec in self.records.values():
+            tap = self._taps.get(rec.module)
+            if rec.g is None and tap is not None and tap.grad is not None:
+                rec.g = tap.grad
+        return super()._complete(params)
+
+
+_ZEROS: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def _zeros(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """One stored zero per dtype and device, which each tap expands (no memory per tap)."""
+    key = (dtype, device)
+    if key not in _ZEROS:
+        _ZEROS[key] = torch.zeros((), dtype=dtype, device=device)
+    return _ZEROS[key]
