@@ -16,12 +16,18 @@ batch 2048, the embedded CNN `cnn-gn` width 16 batch 200) and each mode:
 - `bk`:        the pipeline's book-keeping path (`finetune.grad_sample_mode: bk`,
                dpadapter.per_sample.bookkeeping): one backward without the weights' unclipped
                gradients, per-layer norms by ghost norm or per-example gradient (whichever is
-               cheaper), the clipped sum as one weight-gradient kernel per layer.
+               cheaper), the clipped sum as one weight-gradient kernel per layer;
+- `bk-compiled`: the same with `finetune.compile` (dpadapter.per_sample.compiled): the forward and
+               backward, recording included, through `torch.compile` (`--compile-mode`,
+               `--compile-backend`); norms, sums and noise eager;
+- `nonprivate-compiled`: the non-private step with `torch.compile(model)`, the same mode and
+               backend: `bk-compiled`'s like-for-like baseline (its ratio is printed against the
+               eager non-private step, as every mode's).
 
 A DP step is one logical batch: its physical batches each forward/backward and clip-accumulate,
 then the noise and the update. The non-private step goes through the same physical batches and
-the same eager execution (nothing is compiled for any mode), so the ratios compare like with
-like. Steps are timed round-robin over the modes (one step of each mode per round) so that a
+the same eager execution (only the two `-compiled` modes compile), so the ratios compare like
+with like. Steps are timed round-robin over the modes (one step of each mode per round) so that a
 change in machine load hits every mode alike; the figure is the median over rounds. Before each
 timed step, `--settle` untimed steps (default 1) of the same mode run: a training job runs one
 mode step after step, so what it pays is a step that follows its own mode. (This did not remove
@@ -65,12 +71,18 @@ from torch import nn
 import dpadapter  # noqa: F401  (torchvision compatibility shim before any model import)
 from dpadapter.models import create_model
 from dpadapter.per_sample import dp_optimizer, wrap_for_dp
+from dpadapter.per_sample.compiled import CompiledBookKeeping
 from dpadapter.settings import ModelConfig
 
 # Opacus' hooks on a first layer whose input needs no gradient; harmless and the same every step.
 warnings.filterwarnings("ignore", message="Full backward hook is firing")
 
-DP_MODES = ("hooks", "functorch", "ew", "ghost", "fgc", "bk")
+DP_MODES = ("hooks", "functorch", "ew", "ghost", "fgc", "bk", "bk-compiled")
+# the modes run unless --modes names others (compiling takes minutes on the CPU: opt-in)
+DEFAULT_MODES = tuple(m for m in DP_MODES if m != "bk-compiled")
+BASELINES = ("nonprivate", "nonprivate-compiled")
+# torch.compile's settings for the `-compiled` modes (--compile-mode, --compile-backend)
+COMPILE = {"mode": "default", "backend": "inductor"}
 
 
 @dataclass(frozen=True)
@@ -113,8 +125,8 @@ class Runner:
         model = copy.deepcopy(base)
         ce = nn.CrossEntropyLoss(reduction="mean")
         self.loss_fn = ce
-        if mode == "nonprivate":
-            self.model = model
+        if mode in BASELINES:
+            self.model = model if mode == "nonprivate" else torch.compile(model, **COMPILE)
             self.opt = torch.optim.SGD(model.parameters(), lr=0.0, foreach=foreach)
             return
         if mode in ("ghost", "fgc"):
@@ -128,6 +140,9 @@ class Runner:
             opt_cls = DPOptimizerFastGradientClipping
         elif mode == "bk":
             self.model = wrap_for_dp(model, "bk")
+            opt_cls = DPOptimizer
+        elif mode == "bk-compiled":
+            self.model = CompiledBookKeeping(model, loss_reduction="mean", **COMPILE)
             opt_cls = DPOptimizer
         else:
             self.model = wrap_model(
@@ -149,7 +164,7 @@ class Runner:
     def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
         n = len(y)
         chunks = range(0, n, self.physical)
-        if self.mode == "nonprivate":
+        if self.mode in BASELINES:
             self.opt.zero_grad(set_to_none=True)
             for i in chunks:
                 xc, yc = x[i : i + self.physical], y[i : i + self.physical]
@@ -205,7 +220,7 @@ def check_modes(
     base, x = copy.deepcopy(base).double(), x.double()
     ref, c = reference_clipped_sum(base, x, y, None)
     errors = {}
-    for mode in modes:
+    for mode in (m for m in modes if m not in BASELINES):
         r = Runner(mode, base, len(y), physical, c)
         r.step(x, y)
         got = r.clipped_sum()
@@ -257,7 +272,7 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device) -> di
             "ok": all(e <= args.tol for e in errors.values()),
         }
 
-    modes = ["nonprivate", *args.modes]
+    modes = ["nonprivate", *(m for m in args.modes if m != "nonprivate")]
     # The clipping bound matters only for which examples are clipped, not for speed.
     runners = {m: Runner(m, base, batch, physical, 1.0) for m in modes}
     times: dict[str, list[float]] = {m: [] for m in modes}
@@ -382,7 +397,14 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--models", nargs="+", default=list(DEFAULT_MODELS), choices=list(SETTINGS))
-    ap.add_argument("--modes", nargs="+", default=list(DP_MODES), choices=list(DP_MODES))
+    ap.add_argument(
+        "--modes",
+        nargs="+",
+        default=list(DEFAULT_MODES),
+        choices=[*DP_MODES, BASELINES[1]],
+    )
+    ap.add_argument("--compile-mode", default=COMPILE["mode"], help="for the -compiled modes")
+    ap.add_argument("--compile-backend", default=COMPILE["backend"])
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument(
@@ -417,6 +439,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError:
         ap.error(f"--batch takes MODEL=N: {args.batch}")
     torch.set_num_threads(args.threads)
+    COMPILE.update(mode=args.compile_mode, backend=args.compile_backend)
     device = torch.device(args.device)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = args.tf32

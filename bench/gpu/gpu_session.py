@@ -15,6 +15,7 @@ The steps, in priority order (a step runs only if the time left allows it to sta
   d. the tiny pipeline through Snakemake with `device: cuda`, its jobs forked from the
      preforked server: the forked jobs must have trained on CUDA (or the server refused them
      by name);
+  b'. (after d) bk and the non-private step compiled (`finetune.compile`), eager bk beside them;
   e. DP-SAT Table 2 cells (Fashion-MNIST, GNResNet-10 from scratch, the paper's settings) in
      the fastest mode whose check passed in b (bench/gpu/gpu_session_table2.py).
 One deadline covers them all (default 480 s: 8 minutes of a 10-minute call); what is still
@@ -53,6 +54,7 @@ MAX_FILES = 8
 CAPS = {
     "versions": (30, 20),
     "dp_modes": (110, 45),
+    "dp_compiled": (180, 40),
     "smoke": (150, 45),
     "cuda_tests": (90, 40),
     "pipeline": (100, 60),
@@ -178,6 +180,23 @@ class Session:
         path = self.work / "dp_modes" / "dp_modes.json"
         self.data["dp_modes"] = json.loads(path.read_text()) if path.is_file() else None
 
+    def run_dp_compiled(self) -> None:
+        """Step b's compiled twins (`finetune.compile`, issue 47 item 3): bk and the
+        non-private step through torch.compile, eager bk beside them, in a step of their own
+        so that a slow compilation cuts only these figures. The dry run traces the same
+        graphs with the `aot_eager` backend (inductor's C++ compilation takes minutes on
+        two cores)."""
+        cmd = [PY, "bench/cpu/dp_modes.py", "--device", self.device,
+               "--out", self.work / "dp_compiled"]  # fmt: skip
+        models = ["gnresnet10"] if self.dry else ["gnresnet10", "resnet20-gn"]
+        cmd += ["--models", *models, "--batch", "gnresnet10=512"]
+        cmd += ["--modes", "bk", "bk-compiled", "nonprivate-compiled"]
+        cmd += ["--compile-backend", "aot_eager", "--steps", "1", "--warmup", "0", "--settle",
+                "0", "--tiny"] if self.dry else ["--steps", "10", "--warmup", "2"]  # fmt: skip
+        self.step("dp_compiled", cmd)
+        path = self.work / "dp_compiled" / "dp_modes.json"
+        self.data["dp_compiled"] = json.loads(path.read_text()) if path.is_file() else None
+
     def fastest_mode(self) -> tuple[str, str]:
         """The pipeline mode with the lowest GNResNet-10 ratio whose clipped sum was right."""
         report = self.data.get("dp_modes") or {}
@@ -274,6 +293,9 @@ class Session:
         dpm = self.work / "dp_modes" / "dp_modes.md"
         if dpm.is_file():
             files["dp_modes.md"] = dpm.read_text()
+        dpc = self.work / "dp_compiled" / "dp_modes.md"
+        if dpc.is_file():  # in the same file: at most 8 files come back
+            files["dp_modes.md"] = files.get("dp_modes.md", "") + "\n\n" + dpc.read_text()
         if self.data.get("smoke"):
             files["gpu_smoke.json"] = json.dumps(self.data["smoke"], indent=2) + "\n"
         if self.data.get("table2", {}).get("table"):
@@ -375,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
             print("gpu_session: torch sees no CUDA device; --dry-run runs it on the CPU",
                   file=sys.stderr)  # fmt: skip
             return 2
-    order = ["versions", "dp_modes", "smoke", "cuda_tests", "pipeline", "table2"]
+    order = ["versions", "dp_modes", "smoke", "cuda_tests", "pipeline", "dp_compiled", "table2"]
     for name in order:
         if s.wanted(name):
             getattr(s, f"run_{name}")()

@@ -112,6 +112,17 @@ def render(data: dict, outcomes: list) -> str:
             lines.append("(cut before every model was measured)")
     else:
         lines.append("No measurement (see logs.txt).")
+    lines += ["", "Compiled (`finetune.compile`, run after d): bk and the non-private step through "
+              "torch.compile, ratios against the eager non-private step", ""]  # fmt: skip
+    dpc = data.get("dp_compiled")
+    if dpc:
+        from dp_modes import markdown
+
+        lines.append(markdown(dpc))
+        if not dpc.get("done"):
+            lines.append("(cut before every model was measured)")
+    else:
+        lines.append("No measurement (see logs.txt).")
     lines += ["", "## c. CUDA smoke of every algorithm x mode, upstream, external ViT", ""]
     lines += _smoke(data.get("smoke"))
     tests = data.get("cuda_tests")

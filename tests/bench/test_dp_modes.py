@@ -28,9 +28,9 @@ def test_every_mode_passes_the_check_and_gets_a_ratio(dp_modes, tmp_path):
     assert [r["model"] for r in report["results"]] == ["cnn-gn"]
     for r in report["results"]:
         assert r["check"]["ok"]
-        assert set(r["check"]["rel_error"]) == set(dp_modes.DP_MODES)
+        assert set(r["check"]["rel_error"]) == set(dp_modes.DEFAULT_MODES)
         assert max(r["check"]["rel_error"].values()) < 1e-9
-        assert set(r["modes"]) == {"nonprivate", *dp_modes.DP_MODES}
+        assert set(r["modes"]) == {"nonprivate", *dp_modes.DEFAULT_MODES}
         assert all(m["ratio"] > 0 for m in r["modes"].values())
     assert "| cnn-gn" in (tmp_path / "dp_modes.md").read_text()
 

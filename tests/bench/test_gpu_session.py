@@ -52,7 +52,8 @@ def test_every_step_ran_or_was_cut_and_says_so(dry):
     data = json.loads((out / "session.json").read_text())
     status = {s["name"]: s for s in data["steps"]}
     assert list(status) == [
-        "versions", "dp_modes", "smoke", "cuda_tests", "deadline_probe", "pipeline", "table2",
+        "versions", "dp_modes", "smoke", "cuda_tests", "deadline_probe", "pipeline",
+        "dp_compiled", "table2",
     ]  # fmt: skip
     assert status["deadline_probe"]["status"] == "cut" and "cap" in status["deadline_probe"]["note"]
     assert status["versions"]["status"] == "passed" and data["versions"]["opacus"]
@@ -62,6 +63,11 @@ def test_every_step_ran_or_was_cut_and_says_so(dry):
     # the clipped sums of every mode were right (float64 against the per-example loop)
     assert status["dp_modes"]["status"] == "passed"
     assert all(r["check"]["ok"] for r in data["dp_modes"]["results"])
+    # the compiled step (finetune.compile) too: bk-compiled's clipped sum in float64
+    assert status["dp_compiled"]["status"] == "passed"
+    (compiled,) = data["dp_compiled"]["results"]
+    assert compiled["check"]["ok"] and "bk-compiled" in compiled["check"]["rel_error"]
+    assert {"bk", "bk-compiled", "nonprivate-compiled"} <= set(compiled["modes"])
     # the fixtures ran without MLflow: the CUDA test file's CPU tests passed, CUDA ones skipped
     tests = data["cuda_tests"]
     assert tests["passed"] > 0 and tests["failures"] == tests["errors"] == 0
