@@ -26,8 +26,12 @@ import tempfile
 from pathlib import Path
 
 # What every Snakemake call imports before it reads the Snakefile: its command line, API,
-# executors and plugins, and the modules the rule files import to validate the config (no
-# torch: tests/workflow/test_light_parse.py holds the parse to that).
+# executors and plugins, and the modules the rule files import to validate the config; and what
+# the parse of a config with external upstreams imports (torch, timm's pretrained configs:
+# dpadapter.upstream.external), which the default config's parse does not
+# (tests/workflow/test_light_parse.py holds it to that, in a fresh process). Measured
+# 2026-11-28 (machine vm): a dry run of the Table 3 config took 4.4 s forked from a server
+# without torch and timm, 1.4 s with them; the server starts about 3 s later, once per worker.
 PRELOAD = (
     "snakemake.cli",
     "snakemake.api",
@@ -43,6 +47,9 @@ PRELOAD = (
     "dpadapter.validation",
     "yaml",
     "jsonschema",
+    "torch",
+    "timm",
+    "dpadapter.upstream.external",
 )
 OFF = "DPADAPTER_TEST_SNAKEMAKE_FORK"
 _context: multiprocessing.context.ForkServerContext | None = None
