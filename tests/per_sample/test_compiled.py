@@ -232,3 +232,17 @@ def test_a_compiled_fit_pads_and_trains_as_the_eager_one(monkeypatch):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
     moved = zip(base.parameters(), comp.parameters(), strict=True)
     assert not all(torch.equal(a, b) for a, b in moved)  # it trained
+
+
+def test_a_forward_without_its_backward_leaves_no_stale_gradient():
+    """The taps are reused across a plan's calls: the second forward's records must not take
+    the first backward's output gradients."""
+    model, shape, classes = CASES["cnn-gn"]()
+    x, y = _data(shape, classes, n=4)
+    bk = compiled()(model)
+    opt = dp_sgd(bk, 1.0, 4)
+    LOSS(bk(x.float()), y).backward()
+    bk.per_sample_norms(opt.params)  # a full step's records
+    bk(x.float())  # forward only
+    with pytest.raises(RuntimeError, match="before the backward pass"):
+        bk.per_sample_norms(opt.params)

@@ -54,6 +54,7 @@ class _Plan:
     trained: dict[nn.Module, dict[str, nn.Parameter]]  # each recorded module's trained params
     switched_off: tuple[nn.Parameter, ...]
     outputs: dict[nn.Module, tuple[torch.Size, torch.dtype, torch.device]]  # taps' shapes
+    taps: dict[nn.Module, torch.Tensor]  # one zero leaf per recorded output (`_call`)
 
 
 class CompiledBookKeeping(BookKeepingModule):
@@ -91,10 +92,12 @@ class CompiledBookKeeping(BookKeepingModule):
         for p in plan.switched_off:  # restored by the base's forward, as after an eager one
             p.requires_grad_(False)
         self._switched_off = list(plan.switched_off)
-        self._taps = {
-            m: _zeros(dtype, device).expand(shape).requires_grad_()
-            for m, (shape, dtype, device) in plan.outputs.items()
-        }
+        # the same tap tensors for every call of a plan (graph inputs of one identity, which
+        # CUDA graphs can keep in place), their gradients cleared: a forward without its
+        # backward leaves none, and the norms then refuse to run (`_complete`)
+        self._taps = plan.taps
+        for tap in self._taps.values():
+            tap.grad = None
         self._plan = plan
         try:
             return self._compiled(*args, **kwargs)
@@ -113,6 +116,10 @@ class CompiledBookKeeping(BookKeepingModule):
                 {r.module: dict(r.params) for r in self.records.values()},
                 tuple(self._switched_off),
                 dict(self._planning),
+                {
+                    m: _zeros(dtype, device).expand(shape).requires_grad_()
+                    for m, (shape, dtype, device) in self._planning.items()
+                },
             )
         finally:
             self._planning = None
