@@ -208,3 +208,37 @@ def test_rdp_order_warnings_reach_the_log_of_an_rdp_job_only(
         _run(cfg, scratch_ckpt, tmp_path / "ft")
     order = [w for w in seen if "Optimal order is the" in str(w.message)]
     assert (len(order) > 0) is (accountant == "rdp")
+
+
+def test_a_compiled_job_records_it_and_trains_as_the_eager_one(
+    tiny_cfg, scratch_ckpt, tmp_path, monkeypatch
+):
+    """`finetune.compile` through the stage, with UT's two phases (head, then every
+    parameter: two plans): metrics.json says it compiled; the ledger and the weights are the
+    eager job's (Dynamo's `aot_eager` backend here, the traced graphs without inductor's C++
+    compilation; tests/per_sample/test_compiled.py checks inductor's kernels)."""
+    from dataclasses import replace
+
+    real, compiled = torch.compile, []
+
+    def compile_(module, **kw):
+        compiled.append(kw["mode"])
+        return real(module, **{**kw, "backend": "aot_eager"})
+
+    monkeypatch.setattr("dpadapter.per_sample.compiled.torch.compile", compile_)
+    out = {}
+    for mode in ("off", "default"):
+        assert compiled == []  # the eager job compiled nothing
+        ft = replace(tiny_cfg.finetune, compile=mode, strategy="ut", pad_batches=True)
+        cfg = replace(tiny_cfg, finetune=ft)
+        finetune.run(cfg, "scratch", "syn-shift", "dpsgd", 2.0, 0, scratch_ckpt, tmp_path / mode)
+        out[mode] = json.loads((tmp_path / mode / "metrics.json").read_text())
+    assert compiled and set(compiled) == {"default"}  # the self-test's wraps and the job's
+    assert out["default"]["hyperparameters"]["compile"] == "default"
+    assert out["off"]["hyperparameters"]["compile"] == "off"
+    assert out["default"]["per_sample_check"]["passed"] is True
+    assert out["default"]["privacy"] == out["off"]["privacy"]
+    a = torch.load(tmp_path / "off" / "model.pt", weights_only=True)["state_dict"]
+    b = torch.load(tmp_path / "default" / "model.pt", weights_only=True)["state_dict"]
+    for k in a:
+        assert torch.allclose(a[k].float(), b[k].float(), rtol=1e-4, atol=1e-5), k
