@@ -183,12 +183,13 @@ class Session:
     def run_dp_compiled(self) -> None:
         """Step b's compiled twins (`finetune.compile`, issue 47 item 3): bk and the
         non-private step through torch.compile, eager bk beside them, in a step of their own
-        so that a slow compilation cuts only these figures. The dry run traces the same
-        graphs with the `aot_eager` backend (inductor's C++ compilation takes minutes on
-        two cores)."""
+        so that a slow compilation cuts only these figures. The dry run compiles the
+        embedded CNN with the `aot_eager` backend (Dynamo's graphs without inductor's C++
+        compilation, which takes minutes on two cores; tiny GNResNet-10 took 22 s against
+        12 s for the CNN, 2026-11-28)."""
         cmd = [PY, "bench/cpu/dp_modes.py", "--device", self.device,
                "--out", self.work / "dp_compiled"]  # fmt: skip
-        models = ["gnresnet10"] if self.dry else ["gnresnet10", "resnet20-gn"]
+        models = ["cnn-gn"] if self.dry else ["gnresnet10", "resnet20-gn"]
         cmd += ["--models", *models, "--batch", "gnresnet10=512"]
         cmd += ["--modes", "bk", "bk-compiled", "nonprivate-compiled"]
         cmd += ["--compile-backend", "aot_eager", "--steps", "1", "--warmup", "0", "--settle",
