@@ -37,8 +37,17 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
-def compiled(backend="aot_eager"):
-    return lambda model, **kw: CompiledBookKeeping(model, backend=backend, **kw)
+def compiled(backend="aot_eager", made: list | None = None):
+    """A factory of compiled bk modules (the test modules' `BookKeepingModule`); `made`
+    collects them."""
+
+    def make(model, **kw):
+        bk = CompiledBookKeeping(model, backend=backend, **kw)
+        if made is not None:
+            made.append(bk)
+        return bk
+
+    return make
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -48,7 +57,7 @@ def test_compiled_clipped_sum_equals_the_per_example_reference(case, monkeypatch
     x, y = _data(shape, classes)
     ref, c = reference(copy.deepcopy(model), x, y, None)
     made = []
-    monkeypatch.setattr("test_bookkeeping.BookKeepingModule", _recording(made))
+    monkeypatch.setattr("test_bookkeeping.BookKeepingModule", compiled(made=made))
     got = bk_sum(copy.deepcopy(model), x, y, c)
     err = float((got - ref).norm() / ref.norm())
     assert err < 1e-9, f"{case}: relative error {err:.3g}"
@@ -58,15 +67,6 @@ def test_compiled_clipped_sum_equals_the_per_example_reference(case, monkeypatch
     assert bk.plans_made == 1
     assert counters["stats"]["unique_graphs"] >= 1
     assert not counters["graph_break"], dict(counters["graph_break"])
-
-
-def _recording(made: list):
-    def make(model, **kw):
-        bk = CompiledBookKeeping(model, backend="aot_eager", **kw)
-        made.append(bk)
-        return bk
-
-    return make
 
 
 @pytest.mark.parametrize("case", sorted(ANY_CASES))

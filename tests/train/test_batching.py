@@ -22,6 +22,7 @@ from dpadapter.train.batching import (
     ShuffledBatches,
     masked_cross_entropy,
     padded_size,
+    wants_padding,
 )
 from dpadapter.train.dp_fit import FitSettings, dp_fit
 from dpadapter.train.dp_spec import run_spec
@@ -192,3 +193,17 @@ def test_rows_of_a_pinned_dataset_are_gathered_into_pinned_buffers(kind, monkeyp
         assert torch.equal(xa, xb) and torch.equal(ya, yb)
     if kind == "shuffled":  # unpadded: what is yielded is the pinned buffer itself
         assert all(any(x is s for s in staged) for x, _ in forced)
+
+
+@pytest.mark.parametrize(
+    "mode,device,compiled,pads",
+    [
+        ("auto", "cpu", False, False),  # an eager CPU run keeps Opacus' unpadded stream
+        ("auto", "cuda", False, True),  # cuDNN tunes per shape
+        ("auto", "cpu", True, True),  # a compiled step is compiled once per shape
+        (False, "cuda", True, False),  # asked not to (config validation refuses it compiled)
+        (True, "cpu", False, True),
+    ],
+)
+def test_auto_pads_on_cuda_and_for_a_compiled_step(mode, device, compiled, pads):
+    assert wants_padding(mode, torch.device(device), compiled) is pads

@@ -188,9 +188,7 @@ class BookKeepingModule(nn.Module):
         try:
             return self._call(recording, *args, **kwargs)
         finally:
-            for p in self._switched_off:
-                p.requires_grad_(True)
-            self._switched_off = []
+            self._switch_back()
 
     def _call(self, recording: bool, *args: Any, **kwargs: Any) -> Any:
         """The wrapped model's forward (`compiled` runs a compiled one)."""
@@ -214,6 +212,11 @@ class BookKeepingModule(nn.Module):
         for p in trained.values():
             p.requires_grad_(False)
             self._switched_off.append(p)
+
+    def _switch_back(self) -> None:
+        for p in self._switched_off:
+            p.requires_grad_(True)
+        self._switched_off = []
 
     def _before_layer(self, module: nn.Module, args: tuple) -> None:
         if self._replaying or not torch.is_grad_enabled():

@@ -53,8 +53,8 @@ class _Plan:
 
     trained: dict[nn.Module, dict[str, nn.Parameter]]  # each recorded module's trained params
     switched_off: tuple[nn.Parameter, ...]
-    outputs: dict[nn.Module, tuple[torch.Size, torch.dtype, torch.device]]  # taps' shapes
-    taps: dict[nn.Module, torch.Tensor]  # one zero leaf per recorded output (`_call`)
+    # one zero leaf per recorded output, of its shape, dtype and device (`_call`)
+    taps: dict[nn.Module, torch.Tensor]
 
 
 class CompiledBookKeeping(BookKeepingModule):
@@ -66,7 +66,6 @@ class CompiledBookKeeping(BookKeepingModule):
         if mode not in COMPILE_MODES[1:]:
             raise ValueError(f"compile mode must be one of {COMPILE_MODES[1:]}, not {mode!r}")
         super().__init__(module, **kw)
-        self.compile_mode, self.compile_backend = mode, backend
         # Not a submodule (its parameters are the model's: no second copy in state_dict).
         object.__setattr__(
             self,
@@ -75,7 +74,7 @@ class CompiledBookKeeping(BookKeepingModule):
         )
         self._plans: dict[tuple, _Plan] = {}
         self._plan: _Plan | None = None  # the plan of the compiled forward under way
-        self._planning: dict[nn.Module, tuple] | None = None  # outputs seen while planning
+        self._planning: dict[nn.Module, torch.Tensor] | None = None  # taps made while planning
         self._taps: dict[nn.Module, torch.Tensor] = {}
         self.plans_made = 0  # planning forwards (tests, the bench)
 
@@ -115,17 +114,11 @@ class CompiledBookKeeping(BookKeepingModule):
             plan = _Plan(
                 {r.module: dict(r.params) for r in self.records.values()},
                 tuple(self._switched_off),
-                dict(self._planning),
-                {
-                    m: _zeros(dtype, device).expand(shape).requires_grad_()
-                    for m, (shape, dtype, device) in self._planning.items()
-                },
+                self._planning,
             )
         finally:
             self._planning = None
-            for p in self._switched_off:
-                p.requires_grad_(True)
-            self._switched_off = []
+            self._switch_back()
             self.records = {}
         self._plans[key] = plan
         return plan
@@ -141,7 +134,7 @@ class CompiledBookKeeping(BookKeepingModule):
 
     def _keep_grad(self, rec, t: torch.Tensor) -> torch.Tensor | None:
         if self._planning is not None:
-            self._planning[rec.module] = (t.shape, t.dtype, t.device)
+            self._planning[rec.module] = _zeros(t.dtype, t.device).expand(t.shape).requires_grad_()
         if self._plan is None:
             return super()._keep_grad(rec, t)
         return t + self._taps[rec.module]

@@ -181,7 +181,8 @@ class FinetuneConfig:
     # the per-sample self-test at wrap time (dpadapter.per_sample.self_test)
     per_sample_check: bool = True
     physical_batch_size: int | None = None
-    # pad physical batches (and federated clients' samples) to one shape: auto = on CUDA only
+    # pad physical batches (and federated clients' samples) to one shape: auto = on CUDA and
+    # when compiling
     pad_batches: bool | str = "auto"
     # How the Poisson rate q follows from batch_size (dpadapter.train.dp_spec.sample_rate):
     # "batch_size": q = batch_size / n; "loader": q = 1 / ceil(n / batch_size), what Opacus'

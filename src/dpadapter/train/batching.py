@@ -44,9 +44,10 @@ from dpadapter.privacy import randomness
 PAD_LABEL = -100
 
 
-def wants_padding(mode: bool | str, device: torch.device) -> bool:
-    """`pad_batches`: true, false, or "auto" (on CUDA only, where cuDNN tunes per shape)."""
-    return mode is True or (mode == "auto" and device.type == "cuda")
+def wants_padding(mode: bool | str, device: torch.device, compiled: bool = False) -> bool:
+    """`pad_batches`: true, false, or "auto": on CUDA, where cuDNN tunes per shape, and for a
+    compiled step (`finetune.compile`), which is compiled once per shape."""
+    return mode is True or (mode == "auto" and (device.type == "cuda" or compiled))
 
 
 def pad_batch(

@@ -170,11 +170,8 @@ def dp_fit(
     needs_samples = algo.needs_per_sample_gradients
     # a rank's Poisson batch is about 1/k of the job's: its padded size follows its own mean
     local = spec if not world.multi else _per_rank(spec, world.size)
-    # a compiled step is compiled per batch shape: `auto` pads whenever it compiles
-    pad_mode = settings.pad_batches
-    if settings.compile != "off" and pad_mode == "auto":
-        pad_mode = True
-    pad = padding(pad_mode, settings.physical_batch_size, dev, local)
+    compiled = settings.compile != "off"
+    pad = padding(settings.pad_batches, settings.physical_batch_size, dev, local, compiled)
     # The independence check and the self-test draw synthetic inputs of the data's sample
     # shape (no private value is read), the self-test as many as a physical batch will hold.
     x = train.tensors[0]

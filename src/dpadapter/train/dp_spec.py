@@ -65,13 +65,20 @@ def run_spec(
     )
 
 
-def padding(pad_batches: bool | str, physical: int | None, dev: torch.device, spec: DPRunSpec):
+def padding(
+    pad_batches: bool | str,
+    physical: int | None,
+    dev: torch.device,
+    spec: DPRunSpec,
+    compiled: bool = False,
+):
     """Fixed physical batch size to pad to, or None (no padding).
 
-    `finetune.pad_batches: auto` pads on CUDA only (cuDNN autotunes per shape; see
-    dpadapter.train.batching) to `physical_batch_size`, or to a size a Poisson batch rarely
-    exceeds. On the CPU nothing is padded unless asked: results stay exactly as before.
+    `finetune.pad_batches: auto` pads on CUDA (cuDNN autotunes per shape; see
+    dpadapter.train.batching) and for a `compiled` step (one graph per shape), to
+    `physical_batch_size`, or to a size a Poisson batch rarely exceeds. An eager step on the
+    CPU is not padded unless asked: results stay exactly as before.
     """
-    if not wants_padding(pad_batches, dev):
+    if not wants_padding(pad_batches, dev, compiled):
         return None
     return physical or padded_size(spec.expected_batch_size, spec.sample_rate)
