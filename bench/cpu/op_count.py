@@ -5,12 +5,12 @@ hundred) a GPU step is bound by kernel launches, not arithmetic: docs/gpu.md mea
 at 3.39x a non-private one on an H200, where the CPU, which hides launches behind its slow
 convolutions, shows 1.32-1.51x. This counts, without a GPU, roughly the kernels a step would
 launch: every op that reaches the dispatcher below autograd (the forward's, the backward's and
-the optimizer's, noise included) in one eager step, views and empty allocations left out (they
-launch nothing), grouped by op; and the bytes of the new tensors the step's ops allocate (the
-temporaries, parameters' gradients included). Counted with a `TorchDispatchMode`, after one
-untimed step of the same mode (lazy buffers, Opacus' first-step set-up). The GPU side of the same
-question (the CUDA profiler's kernel count and time per kernel) is `bench/cpu/dp_modes.py --profile`
-in step b of `bench/gpu/gpu_session.sh`.
+the optimizer's, noise included) in one eager step, views, empty allocations and the
+profiler's annotations left out (they launch nothing), grouped by op; and the bytes of the new
+tensors the step's ops allocate (the temporaries, parameters' gradients included). Counted
+with a `TorchDispatchMode`, after one untimed step of the same mode (lazy buffers, Opacus'
+first-step set-up). The GPU side of the same question (the CUDA profiler's kernel count and time
+per kernel) is `bench/cpu/dp_modes.py --profile` in step b of `bench/gpu/gpu_session.sh`.
 
     .venv/bin/python bench/cpu/op_count.py [--models gnresnet10 resnet20-gn] [--batch 64]
         [--modes nonprivate bk hooks ghost] [--top 12] [--out DIR] [--tiny] [--as-gpu]
@@ -42,6 +42,11 @@ MODES = ("nonprivate", "bk", "hooks", "ghost")
 DEFAULT_MODELS = ("gnresnet10", "resnet20-gn")
 # allocate without computing: no kernel on a GPU (the caching allocator hands memory out)
 ALLOCATIONS = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"}
+# the profiler's annotations (`record_function`, which `Optimizer.step` and `zero_grad` open
+# on every call): dispatcher ops that launch nothing. Counted until 2026-11-28 (8923152), they
+# added 6 to the non-private step and 2 to bk's, which flattered bk's ratio (1.59x, 1.65x
+# without them, GNResNet-10)
+ANNOTATIONS = {"_record_function_enter", "_record_function_enter_new", "_record_function_exit"}
 # ops that make a GPU wait for the host to read a value (`.item()`, `float()`, `bool()` on a
 # tensor dispatch to `_local_scalar_dense`) or whose output's size depends on the data: each is
 # a host-device synchronisation inside the step (the CPU proxy of set_sync_debug_mode's count)
@@ -60,7 +65,7 @@ class OpCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         name = func.overloadpacket.__name__
-        if func.is_view or name in ALLOCATIONS:
+        if func.is_view or name in ALLOCATIONS or name in ANNOTATIONS:
             self.views[name] += 1
             return out
         self.ops[name] += 1
@@ -115,7 +120,8 @@ def count_model(name: str, modes: list[str], batch: int, tiny: bool, as_gpu: boo
 def markdown(report: dict, top: int) -> str:
     lines = [
         f"Dispatched ops of one eager training step ({report['device']}, torch "
-        f"{report['torch']}; views and empty allocations left out; bench/cpu/op_count.py"
+        f"{report['torch']}; views, empty allocations and profiler annotations left out; "
+        "bench/cpu/op_count.py"
         + (
             " --as-gpu: SGD's foreach update, bk's choices where launches dominate)"
             if report.get("as_gpu")

@@ -41,8 +41,11 @@ def test_views_and_allocations_are_left_out():
         torch.empty(3)
         z = y * 2
         z.add_(1)
+        with torch.autograd.profiler.record_function("an annotation"):  # launches nothing
+            pass
     assert c.ops == {"mul": 1, "add_": 1}, c.ops
     assert c.views["view"] == 1 and c.views["empty"] == 1
+    assert c.views["_record_function_enter_new"] == c.views["_record_function_exit"] == 1
     assert c.bytes == 12 * 4  # the product's storage; the in-place add allocates nothing
 
 
@@ -67,3 +70,25 @@ def test_as_a_gpu_runs_it_the_update_is_one_foreach_call_and_gn_one_kernel():
     for counts in (cpu, gpu):
         assert counts["bk"]["by_op"]["native_group_norm"] == n_gn
         assert counts["bk"]["by_op"]["native_group_norm_backward"] == 2 * n_gn
+
+
+def test_an_unpadded_convs_patches_are_one_copy():
+    """An unpadded conv's patches (the 1x1 downsampling convs) are one copy of its windows,
+    where a channels-last copy of the whole input came first (issue 47); its ghost norm
+    (`rules.ghost`) is two Grams, their product and a sum, and equals the per-example
+    gradients' in float64."""
+    from dpadapter.per_sample import conv, rules
+
+    oc = import_bench("op_count")
+    m = torch.nn.Conv2d(8, 16, 1, stride=2, bias=False).double()
+    a = torch.randn(4, 8, 14, 14, dtype=torch.float64)  # NCHW, as a layer's input comes
+    g = torch.randn(4, 16, 7, 7, dtype=torch.float64)
+    workspace: dict = {}
+    conv.patches(m, a, workspace)  # the buffer is made once, then reused
+    with oc.OpCounter() as c:
+        norms = rules.ghost(conv.patches(m, a, workspace), g.reshape(4, 16, 49))
+    assert c.ops == {"copy_": 1, "bmm": 2, "mul": 1, "sum": 1}, c.ops
+    per_example = torch.einsum(
+        "nct,ndt->ncd", g.reshape(4, 16, 49), a[:, :, ::2, ::2].reshape(4, 8, 49)
+    )
+    torch.testing.assert_close(norms, per_example.pow(2).sum((1, 2)), rtol=1e-12, atol=0)

@@ -434,3 +434,14 @@ def test_groupnorm_gradients_from_the_forwards_statistics(layout):
         got = rules.norm_layer_grads(gn, x.detach(), g, stats)
         for gt, wt in zip(got, want, strict=True):
             assert torch.allclose(gt.double(), wt, rtol=1e-5, atol=1e-5)
+
+
+def test_ghost_norms_are_float32_exact_at_many_positions():
+    """A ghost norm sums T^2 products of two Grams; at 784 positions (a 28x28 conv) a batched
+    dot product of the flattened Grams, one kernel instead of two, was 2.8e-5 off relatively in
+    float32, the product and sum 1e-7 (issue 47): the clip factors come from these norms."""
+    g_ = torch.Generator().manual_seed(0)
+    a = torch.randn(4, 784, 9, generator=g_)
+    g = torch.randn(4, 64, 784, generator=g_)
+    exact = rules.ghost(a.double(), g.double())
+    assert ((rules.ghost(a, g) - exact) / exact).abs().max() < 1e-6

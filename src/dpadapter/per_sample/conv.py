@@ -133,7 +133,9 @@ def patches(module: nn.Conv2d, a: torch.Tensor, workspace: Workspace | None = No
     With a `workspace` the copy goes into a buffer kept there for the layout; the result is only
     valid until the next call with the same layout (ghost norms consume it at once).
     """
-    x = padded(module, a, workspace, torch.channels_last)
+    # unpadded (a 1x1 downsampling conv): the windows copied from `a` as it is laid out, one
+    # copy where a channels-last copy of all of `a` and then of its windows took two (issue 47)
+    x = a if module.padding == (0, 0) else padded(module, a, workspace, torch.channels_last)
     v = _windows(module, x)
     n, c, ho, wo, kh, kw = v.shape
     v = v.permute(0, 2, 3, 4, 5, 1)
