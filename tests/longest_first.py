@@ -47,6 +47,7 @@ FILE_SECONDS = {
     "tests/validation/test_config_corpus.py": 11,
     "tests/hpo/test_network_pipeline.py": 7,
     "tests/federated/test_rule_validity.py": 7,
+    "tests/federated/test_workflow.py": 30,  # the federated target end to end: 20 s alone
     "tests/bench/test_gpu_smoke.py": 7,
     "tests/privacy/test_accounting.py": 7,
     # three real snakemake runs of a two-rule workflow
