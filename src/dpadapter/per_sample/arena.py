@@ -57,6 +57,8 @@ class Arena:
         its page faults every step on the CPU, 26 against 5 ms for 14 M values (docs/speed.md).
         `linalg.vector_norm` would need no buffer and ran faster still, but was 4e-6 off
         relatively on this CPU, against 1e-7 for these."""
+        if self.workspace is None:  # fresh memory either way (a compiled phase: `compiled`)
+            return self.flat.pow(2).sum(1)
         sq = buffer(self.workspace, "arena-squares", tuple(self.flat.shape), self.flat)
         return torch.pow(self.flat, 2, out=sq).sum(1)
 
@@ -84,7 +86,9 @@ def gather(records: Iterable, scale_of, workspace: Workspace | None = None) -> l
         n = entries[0][2].shape[0]
         rows = [grads.reshape(n, -1) for _, _, grads in entries]
         flat = rows[0]
-        if len(rows) > 1:
+        if len(rows) > 1 and workspace is None:  # a fresh tensor: nothing can alias it
+            flat = torch.cat(rows, 1)
+        elif len(rows) > 1:
             width = sum(r.shape[1] for r in rows)
             flat = _joined(rows, buffer(workspace, f"arena{i}", (n, width), rows[0]))
         slots, start = {}, 0

@@ -152,7 +152,7 @@ class BookKeepingModule(nn.Module):
         self.launch_bound: bool | None = None
         self.last_plan: dict[str, str] = {}  # layer -> how its norms were computed (first batch)
         # Reused patch buffers for ghost norms and im2col, one per layout (`buffers`).
-        self.workspace: Workspace = {}
+        self.workspace: Workspace | None = {}  # None: fresh tensors (`compiled`)
         self.records: dict[nn.Module, LayerRecord | FuncRecord] = {}
         self._arenas: list[arena.Arena] = []  # the last norms' kept gradients (`arena`)
         # fp16's loss scale of the last backward (per_sample.precision); 1 otherwise
@@ -399,12 +399,19 @@ class BookKeepingModule(nn.Module):
         """
         recs = self._complete(params)
         wanted = {id(p) for p in params}
+        # a subset of the layers (the per-sample self-test, module by module)
+        taken = [r for r in recs if any(id(p) in wanted for p in r.params.values())]
+        norms = self._norms(taken, wanted, self._loss_scale(recs[0]))
+        if not self.last_plan:
+            names = {m: n for n, m in self._module.named_modules()}
+            self.last_plan = {(names.get(r.module, "?") or "<root>"): r.strategy for r in recs}
+        return norms
+
+    def _norms(self, taken: list, wanted: set[int], scale: float) -> torch.Tensor:
+        """The norms from the records' rules, each layer's parts summed (`compiled` compiles
+        this phase)."""
         parts: list[torch.Tensor] = []
-        taken = []
-        for rec in recs:
-            if not any(id(p) in wanted for p in rec.params.values()):
-                continue  # a subset of the layers (the per-sample self-test, module by module)
-            taken.append(rec)
+        for rec in taken:
             if isinstance(rec, FuncRecord):
                 parts += functional.func_norms_sq(rec, wanted, self.keep_elements, self._replay)
             else:
@@ -414,10 +421,7 @@ class BookKeepingModule(nn.Module):
         parts += [a.norms_sq() for a in self._arenas]
         assert parts
         total = parts[0] if len(parts) == 1 else torch.stack(parts).sum(0)
-        if not self.last_plan:
-            names = {m: n for n, m in self._module.named_modules()}
-            self.last_plan = {(names.get(r.module, "?") or "<root>"): r.strategy for r in recs}
-        return total.sqrt() * self._loss_scale(recs[0])
+        return total.sqrt() * scale
 
     @torch.no_grad()
     def clipped_sums(
@@ -425,8 +429,11 @@ class BookKeepingModule(nn.Module):
     ) -> dict[int, torch.Tensor]:
         """`sum_i factor_i * grad_i` for each parameter (keyed by id), layer by layer; the kept
         gradients' from their arenas (one product each)."""
+        return self._sums({id(p) for p in params}, factor)
+
+    def _sums(self, wanted: set[int], factor: torch.Tensor) -> dict[int, torch.Tensor]:
+        """`clipped_sums`' phase from the records (`compiled` compiles it)."""
         out: dict[int, torch.Tensor] = {}
-        wanted = {id(p) for p in params}
         weights: dict[float, torch.Tensor] = {}  # one product per loss scale, not per layer
 
         def weighted(scale: float) -> torch.Tensor:

@@ -1,13 +1,18 @@
-"""Book-keeping with a compiled forward and backward (`finetune.compile`, issue 47 item 3).
+"""Book-keeping with a compiled step and compiled rules (`finetune.compile`, issue 47 item 3).
 
 Why: at the sizes our users train, a GPU step is bound by kernel launches (docs/gpu.md), and
 `torch.compile` fuses the model's element-wise kernels (GroupNorm, activations, residual adds)
 in the forward and in the backward AOTAutograd derives from it; `reduce-overhead` also replays
-the step's kernels as CUDA graphs. What is compiled is the wrapped model's forward with
+the step's kernels as CUDA graphs. Three things are compiled: the wrapped model's forward with
 book-keeping's recording hooks traced into it (their inputs `a` and output gradients `g` come
-out of the compiled graphs exactly as from eager ones), nothing else: the norms, clip factors
-and clipped sums (`rules`), the noise and the Poisson sampling stay eager, so no compiled or
-replayed graph ever holds a random draw of the mechanism (docs/privacy.md).
+out of the compiled graphs exactly as from eager ones), and the per-layer rules' two phases
+(`rules`): the per-example norms from the records, and the clip-weighted sums, where a GPU's
+remaining small kernels are (a ghost norm's product and sum, the kept gradients' squares and
+sums, the parts' total). The clip factors between the two phases, the noise and the Poisson
+sampling stay eager; the rules are deterministic functions of the records, so no compiled or
+replayed graph ever holds a random draw of the mechanism (docs/privacy.md). The rules run
+compiled for a training step's whole set of trained parameters in closed forms only
+(`_whole_step`), otherwise as the base runs them.
 
 Two phases of the base differ, because Dynamo cannot trace them (a graph break per layer):
 
@@ -42,6 +47,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from dpadapter.per_sample.bookkeeping import BookKeepingModule
+from dpadapter.per_sample.rules import LayerRecord
 
 # `finetune.compile`: off, or torch.compile's mode (reduce-overhead: CUDA graphs on a GPU)
 COMPILE_MODES = ("off", "default", "reduce-overhead", "max-autotune")
@@ -72,6 +78,16 @@ class CompiledBookKeeping(BookKeepingModule):
             "_compiled",
             torch.compile(module, mode=mode, backend=backend, dynamic=False),
         )
+        # The per-layer rules too: the norms and the clip-weighted sums from the records, one
+        # graph each per trained set and shape (`_norms`, `_sums`). Their temporaries are the
+        # graphs' own, so no buffer pool. Never as CUDA graphs: a replay overwrites its outputs,
+        # and the norms' outputs (the kept gradients) are read by the sums' phase after it.
+        self.workspace = None
+        rules_mode = "default" if mode == "reduce-overhead" else mode
+        for phase in ("_norms", "_sums"):
+            fn = getattr(super(), phase)
+            compiled = torch.compile(fn, mode=rules_mode, backend=backend, dynamic=False)
+            object.__setattr__(self, f"_compiled{phase}", compiled)
         self._plans: dict[tuple, _Plan] = {}
         self._plan: _Plan | None = None  # the plan of the compiled forward under way
         self._planning: dict[nn.Module, torch.Tensor] | None = None  # taps made while planning
@@ -138,6 +154,26 @@ class CompiledBookKeeping(BookKeepingModule):
         if self._plan is None:
             return super()._keep_grad(rec, t)
         return t + self._taps[rec.module]
+
+    def _norms(self, taken: list, wanted: set[int], scale: float) -> torch.Tensor:
+        if self._whole_step(wanted):
+            return self._compiled_norms(taken, wanted, scale)
+        return super()._norms(taken, wanted, scale)
+
+    def _sums(self, wanted: set[int], factor: torch.Tensor) -> dict[int, torch.Tensor]:
+        if self._whole_step(wanted):
+            return self._compiled_sums(wanted, factor)
+        return super()._sums(wanted, factor)
+
+    def _whole_step(self, wanted: set[int]) -> bool:
+        """Whether the rules run compiled: for a training step's whole set of trained
+        parameters, all of them in closed form. Not for a subset (the self-test's module by
+        module norms: a graph per subset would be compiled once and never run again) nor for
+        torch.func's records, which replay their modules' forwards."""
+        return all(
+            isinstance(r, LayerRecord) and all(id(p) in wanted for p in r.params.values())
+            for r in self.records.values()
+        )
 
     def _complete(self, params: list[nn.Parameter]):
         for rec in self.records.values():

@@ -375,7 +375,8 @@ def _mode_run(wrapped, make_optimizer, groups, x, y, clip) -> dict[str, Any]:
     if bk:
         wrapped.clear()
         wrapped.last_plan = {}
-        wrapped.workspace.clear()
+        if wrapped.workspace is not None:
+            wrapped.workspace.clear()
     return {"norms": norms, "sums": sums}
 
 
