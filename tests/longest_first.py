@@ -19,7 +19,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 FILE_SECONDS = {
     "tests/workflow/test_external_only.py": 134,  # measured alone (issue 36): run, report, rerun
     "tests/bench/test_gpu_session.py": 85,  # 72 s set-up in CI (b7b19f1) + the compiled step
-    "tests/per_sample/test_compiled.py": 100,  # alone, quiet, cold inductor cache (2026-11-28)
+    "tests/per_sample/test_compiled.py": 130,  # alone, rules compiled too (2026-11-28, 8f4290b)
     "tests/cluster/test_slurm.py": 90,
     "tests/workflow/test_snakemake.py": 78,
     "tests/cluster/test_dvc.py": 59,
