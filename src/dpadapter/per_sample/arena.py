@@ -85,10 +85,11 @@ def gather(records: Iterable, scale_of, workspace: Workspace | None = None) -> l
     for i, ((_, _, scale), entries) in enumerate(groups.items()):
         n = entries[0][2].shape[0]
         rows = [grads.reshape(n, -1) for _, _, grads in entries]
-        flat = rows[0]
-        if len(rows) > 1 and workspace is None:  # a fresh tensor: nothing can alias it
+        if len(rows) == 1:
+            flat = rows[0]
+        elif workspace is None:  # a fresh tensor, which nothing can alias (`_joined`)
             flat = torch.cat(rows, 1)
-        elif len(rows) > 1:
+        else:
             width = sum(r.shape[1] for r in rows)
             flat = _joined(rows, buffer(workspace, f"arena{i}", (n, width), rows[0]))
         slots, start = {}, 0

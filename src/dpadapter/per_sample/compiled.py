@@ -80,7 +80,8 @@ class CompiledBookKeeping(BookKeepingModule):
         )
         # The per-layer rules too: the norms and the clip-weighted sums from the records, one
         # graph each per trained set and shape (`_norms`, `_sums`). Their temporaries are the
-        # graphs' own, so no buffer pool. Never as CUDA graphs: a replay overwrites its outputs,
+        # graphs' own, so no buffer pool (the eager fallback of `_whole_step` then allocates
+        # fresh tensors, the same values). Never as CUDA graphs: a replay overwrites its outputs,
         # and the norms' outputs (the kept gradients) are read by the sums' phase after it.
         self.workspace = None
         rules_mode = "default" if mode == "reduce-overhead" else mode
