@@ -92,3 +92,28 @@ def test_an_unpadded_convs_patches_are_one_copy():
         "nct,ndt->ncd", g.reshape(4, 16, 49), a[:, :, ::2, ::2].reshape(4, 8, 49)
     )
     torch.testing.assert_close(norms, per_example.pow(2).sum((1, 2)), rtol=1e-12, atol=0)
+
+
+def test_a_ghost_group_is_its_grams_then_one_product_and_one_sum():
+    """Three layers of one Gram shape (per_sample.ghost): their six Grams, then one product
+    and one sum, where alone each took its own; the same norms bit for bit."""
+    from dpadapter.per_sample.ghost import GhostGroups, ghost
+
+    oc = import_bench("op_count")
+    g = torch.Generator().manual_seed(0)
+    layers = [
+        (torch.randn(4, 9, 5 + i, generator=g, dtype=torch.float64),
+         torch.randn(4, 3 + i, 9, generator=g, dtype=torch.float64))
+        for i in range(3)
+    ]  # fmt: skip
+    alone = [ghost(a, g) for a, g in layers]
+    groups = GhostGroups.plan([(a, a.shape[1]) for a, _ in layers], {})
+    assert list(groups.sizes.values()) == [[3]]
+    with oc.OpCounter() as c:
+        parts = groups.resolve([groups.norm(a, g) for a, g in layers])
+    assert c.ops == {"bmm": 6, "mul": 1, "sum": 1}, c.ops
+    with oc.OpCounter() as c:
+        [ghost(a, g) for a, g in layers]
+    assert c.ops == {"bmm": 6, "mul": 3, "sum": 3}, c.ops
+    for got, want in zip(parts, alone, strict=True):
+        assert torch.equal(got, want)

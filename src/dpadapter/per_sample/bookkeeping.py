@@ -67,6 +67,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -410,12 +411,16 @@ class BookKeepingModule(nn.Module):
     def _norms(self, taken: list, wanted: set[int], scale: float) -> torch.Tensor:
         """The norms from the records' rules, each layer's parts summed (`compiled` compiles
         this phase)."""
-        parts: list[torch.Tensor] = []
+        parts: list = []
+        settings = self._settings
+        # ghost norms of layers with one Gram shape, a product and a sum per group (`ghost`)
+        settings = replace(settings, ghosts=rules.ghost_groups(taken, wanted, settings))
         for rec in taken:
             if isinstance(rec, FuncRecord):
                 parts += functional.func_norms_sq(rec, wanted, self.keep_elements, self._replay)
             else:
-                parts += rules.layer_norms_sq(rec, wanted, self._settings)
+                parts += rules.layer_norms_sq(rec, wanted, settings)
+        parts = settings.ghosts.resolve(parts)
         # the kept gradients' norms in one reduction, their sums later in one product (`arena`)
         self._arenas = arena.gather(taken, self._loss_scale, self.workspace)
         parts += [a.norms_sq() for a in self._arenas]

@@ -33,6 +33,7 @@ from torch import nn
 
 from dpadapter.per_sample import arena, conv
 from dpadapter.per_sample.buffers import Workspace
+from dpadapter.per_sample.ghost import GhostGroups, Pending, ghost
 
 
 @dataclass
@@ -70,6 +71,8 @@ class Settings:
     # whether a kernel launch costs more than its arithmetic here (`conv_weight_norms_sq`):
     # None decides by the device of the layer's input (CUDA: yes); True/False force it (benches)
     launch_bound: bool | None = None
+    # the norms phase's groups of ghost norms taken together (`ghost`); None: each alone
+    ghosts: GhostGroups | None = None
 
     def launches_dominate(self, t: torch.Tensor) -> bool:
         return t.device.type == "cuda" if self.launch_bound is None else self.launch_bound
@@ -80,14 +83,9 @@ def keep(rec: LayerRecord, p: torch.Tensor, grads: torch.Tensor, limit: int) -> 
     return arena.keep(rec.kept, id(p), grads, limit)
 
 
-def ghost(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """|g_i^T a_i|_F^2 for a (n, T, d), g (n, p, T) via T x T Gram matrices (Li et al. 2022).
-
-    The Grams' inner product stays a product and a sum (two kernels): as one batched dot
-    product (a third `bmm`, one kernel) it was 4-290x less exact in float32 (5.6e-7 to 2.8e-5
-    relative against 1e-7 to 1.6e-7, T = 16 to 784, 2026-11-28; pinned by
-    test_bookkeeping.py), and these norms give the clip factors."""
-    return (torch.bmm(a, a.transpose(1, 2)) * torch.bmm(g.transpose(1, 2), g)).sum(dim=(1, 2))
+def ghost_norm(a: torch.Tensor, g: torch.Tensor, s: Settings) -> torch.Tensor | Pending:
+    """A weight's ghost norm, alone or with the layers of its group (`ghost.GhostGroups`)."""
+    return ghost(a, g) if s.ghosts is None else s.ghosts.norm(a, g)
 
 
 # --- Linear (any leading dimensions) ---------------------------------------------------------
@@ -114,11 +112,10 @@ def linear_norms_sq(rec: LayerRecord, w, b, s: Settings) -> list[torch.Tensor | 
             parts.append(g2)
         return parts
     a3, g3 = a.reshape(n, -1, a.shape[-1]), g.reshape(n, -1, g.shape[-1])
-    t, d, p = a3.shape[1], a3.shape[2], g3.shape[2]
     if w is not None:
-        if s.strategy == "ghost" or (s.strategy == "auto" and t * (d + p) < d * p):
+        if linear_ghost_positions(rec, s) is not None:
             rec.strategy = "ghost"
-            parts.append(ghost(a3, g3.transpose(1, 2)))
+            parts.append(ghost_norm(a3, g3.transpose(1, 2), s))
         else:
             rec.strategy = "per-example"
             grads = torch.bmm(g3.transpose(1, 2), a3)  # (n, p, d)
@@ -126,6 +123,20 @@ def linear_norms_sq(rec: LayerRecord, w, b, s: Settings) -> list[torch.Tensor | 
     if b is not None:
         parts.append(keep(rec, b, g3.sum(1), s.keep))
     return parts
+
+
+def linear_ghost_positions(rec: LayerRecord, s: Settings) -> int | None:
+    """T if a Linear weight's norm is a ghost norm over T positions (leading dimensions), the
+    cheaper where T (d + p) < d p; None for the per-example gradient or exact norm."""
+    a, g = rec.a, rec.g
+    assert g is not None
+    if a.dim() == 2:
+        return None
+    d, p = a.shape[-1], g.shape[-1]
+    t = a.numel() // (a.shape[0] * d)
+    if s.strategy == "ghost" or (s.strategy == "auto" and t * (d + p) < d * p):
+        return t
+    return None
 
 
 def linear_sum(module: nn.Module, name: str, p, a: torch.Tensor, gw: torch.Tensor):
@@ -146,9 +157,10 @@ def conv_norms_sq(rec: LayerRecord, w, b, s: Settings) -> list[torch.Tensor | No
 
 def conv_weight_norms_sq(
     module: nn.Conv2d, rec: LayerRecord, w: torch.Tensor, s: Settings
-) -> torch.Tensor | None:
+) -> torch.Tensor | Pending | None:
     """A Conv2d weight's per-example norms: ghost norm or per-example gradients, the cheaper
-    (None: the gradients are kept and their norms taken with the others', `keep`).
+    (None: the gradients are kept and their norms taken with the others', `keep`; a `Pending`
+    ghost norm: taken with its group's, `ghost`). Which one: `conv_ghost_positions`.
 
     With T output positions, d = Cin/G*kh*kw inputs and p = Cout/G outputs per group, the ghost
     norm costs T^2 (d + p) and the per-example gradient T d p per example and group. The ghost
@@ -171,28 +183,40 @@ def conv_weight_norms_sq(
     a, g = rec.a, rec.g
     assert g is not None
     n, c_in = a.shape[:2]
-    c_out, t = g.shape[1], g.shape[2] * g.shape[3]
-    groups = module.groups
-    d = c_in // groups * module.kernel_size[0] * module.kernel_size[1]
-    p = c_out // groups
     launch_bound = s.launches_dominate(a)
-    if launch_bound and n * groups * d * p <= s.keep:
-        cheaper = t * t * (d + p) < 0.5 * t * d * p + 2 * d * p
-    else:
-        cheaper = t * t * (d + p) < 1.5 * t * d * p
-    if groups == 1 and (s.strategy == "ghost" or (s.strategy == "auto" and cheaper)):
+    t = conv_ghost_positions(rec, s)
+    if t is not None:
         rec.strategy = "ghost"
-        g3 = g.reshape(n, c_out, t)
+        g3 = g.reshape(n, g.shape[1], t)
         if launch_bound:  # patches from one kernel (`conv.columns`), (n, d, T) transposed
-            return ghost(conv.columns(module, a).transpose(1, 2), g3)
-        return ghost(conv.patches(module, a, s.workspace), g3)
-    if groups == 1 and c_in <= conv.IM2COL_MAX_IN_CHANNELS:
+            return ghost_norm(conv.columns(module, a).transpose(1, 2), g3, s)
+        return ghost_norm(conv.patches(module, a, s.workspace), g3, s)
+    if module.groups == 1 and c_in <= conv.IM2COL_MAX_IN_CHANNELS:
         rec.strategy = "per-example-im2col"
         grads = conv.per_example_im2col(module, a, g, s.workspace, one_kernel=launch_bound)
     else:
         rec.strategy = "per-example"
         grads = conv.per_example_grouped(module, a, g, w)
     return keep(rec, w, grads, s.keep)
+
+
+def conv_ghost_positions(rec: LayerRecord, s: Settings) -> int | None:
+    """T if a Conv2d weight's norm is a ghost norm over its T output positions (the cost
+    model in `conv_weight_norms_sq`'s docstring); None for per-example gradients."""
+    module, a, g = rec.module, rec.a, rec.g
+    assert g is not None and isinstance(module, nn.Conv2d)
+    n, c_in = a.shape[:2]
+    c_out, t = g.shape[1], g.shape[2] * g.shape[3]
+    groups = module.groups
+    d = c_in // groups * module.kernel_size[0] * module.kernel_size[1]
+    p = c_out // groups
+    if s.launches_dominate(a) and n * groups * d * p <= s.keep:
+        cheaper = t * t * (d + p) < 0.5 * t * d * p + 2 * d * p
+    else:
+        cheaper = t * t * (d + p) < 1.5 * t * d * p
+    if groups == 1 and (s.strategy == "ghost" or (s.strategy == "auto" and cheaper)):
+        return t
+    return None
 
 
 def conv_sum(module: nn.Module, name: str, p, a: torch.Tensor, gw: torch.Tensor):
@@ -282,11 +306,14 @@ class LayerRule(NamedTuple):
     clipped_sum: Callable[..., torch.Tensor]
     # (module, output) -> what the forward computed that the norms reuse (`LayerRecord.saved`)
     forward_saved: Callable[..., tuple] | None = None
+    # (record, settings) -> T if the weight's norm is a ghost norm over T positions, else None
+    # (`ghost.GhostGroups.plan` sizes the groups from it before the first Gram)
+    ghost_positions: Callable[..., int | None] | None = None
 
 
 RULES: dict[type[nn.Module], LayerRule] = {
-    nn.Linear: LayerRule(linear_norms_sq, linear_sum),
-    nn.Conv2d: LayerRule(conv_norms_sq, conv_sum),
+    nn.Linear: LayerRule(linear_norms_sq, linear_sum, ghost_positions=linear_ghost_positions),
+    nn.Conv2d: LayerRule(conv_norms_sq, conv_sum, ghost_positions=conv_ghost_positions),
     nn.GroupNorm: LayerRule(norm_layer_norms_sq, norm_layer_sum, group_norm_saved),
     nn.LayerNorm: LayerRule(norm_layer_norms_sq, norm_layer_sum),
 }
@@ -315,9 +342,25 @@ def forward_saved(rec: LayerRecord, output: torch.Tensor) -> None:
         rec.saved = rule.forward_saved(rec.module, output)
 
 
-def layer_norms_sq(rec: LayerRecord, wanted: set[int], s: Settings) -> list[torch.Tensor]:
+def ghost_groups(records: list, wanted: set[int], s: Settings) -> GhostGroups:
+    """The groups of the ghost norms `layer_norms_sq` will take for `records` (LayerRecords;
+    others are passed over), in the order it takes them (`ghost`)."""
+    positions = []
+    for rec in records:
+        rule = getattr(rec, "rule", None)
+        w = rec.params.get("weight") if rule is not None else None
+        if rule is None or rule.ghost_positions is None or w is None or id(w) not in wanted:
+            continue
+        t = rule.ghost_positions(rec, s)
+        if t is not None:
+            positions.append((rec.a, t))
+    return GhostGroups.plan(positions, s.workspace)
+
+
+def layer_norms_sq(rec: LayerRecord, wanted: set[int], s: Settings) -> list[torch.Tensor | Pending]:
     """Squared per-example gradient norms (n,) of one layer's wanted trained parameters, as
-    parts to add; the parameters whose gradients are kept (`rec.kept`) are left out of them."""
+    parts to add; the parameters whose gradients are kept (`rec.kept`) are left out of them,
+    and a ghost norm taken with its group's is `Pending` until `GhostGroups.resolve`."""
     rule = rec.rule
     assert rule is not None and rec.g is not None
     w, b = rec.params.get("weight"), rec.params.get("bias")
