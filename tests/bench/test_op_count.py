@@ -52,8 +52,8 @@ def test_views_and_allocations_are_left_out():
 def test_as_a_gpu_runs_it_the_update_is_one_foreach_call_and_gn_one_kernel():
     """--as-gpu: SGD's CUDA default (one `_foreach` update, not one `add_` per tensor) in every
     mode, bk's choices where launches dominate; and in either count a GroupNorm's per-example
-    gradients cost one kernel (`rules.group_norm_grads`), not a normalisation, a product and
-    two sums."""
+    gradients cost one kernel (`rules.group_norm_folded`), not a normalisation, a product and
+    two sums, and that kernel gives the input gradient too."""
     oc = import_bench("op_count")
     args = (["nonprivate", "bk"], 8, True)
     cpu = oc.count_model("gnresnet10", *args)["modes"]
@@ -65,11 +65,14 @@ def test_as_a_gpu_runs_it_the_update_is_one_foreach_call_and_gn_one_kernel():
         assert cpu[mode]["by_op"]["add_"] >= n_params - 1, cpu[mode]["by_op"]
         assert "add_" not in gpu[mode]["by_op"] and gpu[mode]["by_op"]["_foreach_add_"] == 1
         assert gpu[mode]["ops"] < cpu[mode]["ops"]
-    # the forward's GroupNorms, and one backward kernel each for autograd and for bk
+    # the forward's GroupNorms, and one backward kernel each for the input gradient and the
+    # per-example gradients together (`norm_fusion`), as many as the non-private step's; the
+    # weights repeated per example for all of them from one gather
     n_gn = cpu["nonprivate"]["by_op"]["native_group_norm"]
     for counts in (cpu, gpu):
         assert counts["bk"]["by_op"]["native_group_norm"] == n_gn
-        assert counts["bk"]["by_op"]["native_group_norm_backward"] == 2 * n_gn
+        assert counts["bk"]["by_op"]["native_group_norm_backward"] == n_gn
+        assert counts["bk"]["by_op"]["index_select"] == 1
 
 
 def test_an_unpadded_convs_patches_are_one_copy():

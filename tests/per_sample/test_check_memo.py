@@ -125,13 +125,13 @@ def test_a_changed_forward_in_a_class_file_is_a_new_key(tmp_path, monkeypatch):
 def test_a_failed_check_is_never_stored_and_a_stored_failure_is_not_trusted(tmp_path, monkeypatch):
     memo = check_memo.memo_path(tmp_path)
     # a wrong closed form (GroupNorm's weight 50 % too large): refused, and nothing is stored
-    right = rules.norm_layer_grads
+    right = rules.group_norm_folded  # the per-example kernel, fused or not (`norm_fusion`)
 
-    def wrong(module, a, g, *saved):
-        gw, gb = right(module, a, g, *saved)
-        return gw * 1.5, gb
+    def wrong(module, a, *rest):
+        dx, gw, gb = right(module, a, *rest)
+        return dx, gw * 1.5, gb
 
-    monkeypatch.setattr(rules, "norm_layer_grads", wrong)
+    monkeypatch.setattr(rules, "group_norm_folded", wrong)
     with pytest.raises(PerSampleCheckError):
         wrap_for_dp(_cnn(), "bk", sample=SAMPLE, check_memo_path=memo)
     assert not (tmp_path / ".cache" / check_memo.FILE).exists()

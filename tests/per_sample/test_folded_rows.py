@@ -62,13 +62,13 @@ def test_the_same_layer_batch_first_trains():
 def test_a_refusal_never_suggests_switching_the_check_off(monkeypatch):
     from dpadapter.per_sample import PerSampleCheckError, rules
 
-    right = rules.norm_layer_grads
+    right = rules.group_norm_folded  # the per-example kernel, fused or not (`norm_fusion`)
 
-    def wrong(module, a, g, *saved):
-        gw, gb = right(module, a, g, *saved)
-        return gw * 1.5, gb  # GroupNorm's weight gradient 50 % too large
+    def wrong(module, a, *rest):
+        dx, gw, gb = right(module, a, *rest)
+        return dx, gw * 1.5, gb  # GroupNorm's weight gradient 50 % too large
 
-    monkeypatch.setattr(rules, "norm_layer_grads", wrong)
+    monkeypatch.setattr(rules, "group_norm_folded", wrong)
 
     class GN(nn.Module):
         def __init__(self):

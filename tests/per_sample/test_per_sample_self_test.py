@@ -131,13 +131,15 @@ def test_a_wrong_opacus_grad_sampler_is_refused_naming_the_module(monkeypatch):
 
 
 def test_a_wrong_bookkeeping_norm_is_refused_naming_the_module(monkeypatch):
-    right = rules.norm_layer_grads
+    right = rules.group_norm_folded
 
-    def wrong(module, a, g, *saved):
-        gw, gb = right(module, a, g, *saved)
-        return gw * 1.5, gb  # the GroupNorm weight's per-example gradient 50 % too large
+    def wrong(*args):
+        dx, gw, gb = right(*args)
+        return dx, gw * 1.5, gb  # the GroupNorm weight's per-example gradient 50 % too large
 
-    monkeypatch.setattr(rules, "norm_layer_grads", wrong)
+    # the one kernel of a GroupNorm's per-example gradients, whether its backward computes them
+    # with the input gradient (`norm_fusion`) or the norms phase does (`group_norm_grads`)
+    monkeypatch.setattr(rules, "group_norm_folded", wrong)
     model = _cnn()
     gn = [n for n, m in model.named_modules() if isinstance(m, nn.GroupNorm)]
     with pytest.raises(PerSampleCheckError, match=r"'bk' .* at module '(.*)' \(GroupNorm\)") as e:

@@ -22,13 +22,13 @@ SAMPLE = ((1, 28, 28), torch.float32)
 
 
 def _wrong_groupnorm(monkeypatch):
-    right = rules.norm_layer_grads
+    right = rules.group_norm_folded  # the per-example kernel, fused or not (`norm_fusion`)
 
-    def wrong(module, a, g, *saved):
-        gw, gb = right(module, a, g, *saved)
-        return gw * 1.5, gb  # a backbone GroupNorm's per-example gradient 50 % too large
+    def wrong(module, a, *rest):
+        dx, gw, gb = right(module, a, *rest)
+        return dx, gw * 1.5, gb  # a backbone GroupNorm's per-example gradient 50 % too large
 
-    monkeypatch.setattr(rules, "norm_layer_grads", wrong)
+    monkeypatch.setattr(rules, "group_norm_folded", wrong)
 
 
 def _fit(tiny_cfg, strategy: str, t1_fraction: float | None):
@@ -73,13 +73,13 @@ def test_the_self_test_runs_at_the_physical_and_a_small_odd_size(monkeypatch):
     assert record.per_sample_check["also_at"]["examples"] == SMALL
     assert record.per_sample_check["also_at"]["passed"] is True
     # a rule wrong only at small batches is caught at the small size
-    right = rules.norm_layer_grads
+    right = rules.group_norm_folded  # the per-example kernel, fused or not (`norm_fusion`)
 
-    def wrong_when_small(module, a, g, *saved):
-        gw, gb = right(module, a, g, *saved)
-        return (gw * 1.5 if a.shape[0] <= SMALL else gw), gb
+    def wrong_when_small(module, a, *rest):
+        dx, gw, gb = right(module, a, *rest)
+        return dx, (gw * 1.5 if a.shape[0] <= SMALL else gw), gb
 
-    monkeypatch.setattr(rules, "norm_layer_grads", wrong_when_small)
+    monkeypatch.setattr(rules, "group_norm_folded", wrong_when_small)
     with pytest.raises(PerSampleCheckError, match=r"\(GroupNorm\)"):
         wrap_for_dp(copy.deepcopy(model), "bk", sample=SAMPLE, check_batch=12)
 

@@ -74,7 +74,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
 
-from dpadapter.per_sample import arena, functional, rules
+from dpadapter.per_sample import arena, functional, norm_fusion, rules
 from dpadapter.per_sample.buffers import Workspace
 from dpadapter.per_sample.clip import folded_rows_error
 from dpadapter.per_sample.functional import FuncRecord
@@ -126,6 +126,9 @@ class BookKeepingModule(nn.Module):
     batch size, so that per-example gradients are those of each example's own loss.
     """
 
+    # a GroupNorm's input gradient and per-example gradients from one kernel (`norm_fusion`)
+    fuse_norms = True
+
     def __init__(
         self,
         module: nn.Module,
@@ -161,6 +164,10 @@ class BookKeepingModule(nn.Module):
         self._switched_off: list[nn.Parameter] = []
         self._rows: int | None = None  # the batch size of the current forward
         self._replaying = False  # torch.func runs a module's forward again: record nothing
+        # GroupNorms' weights repeated per example for their fused backward (`norm_fusion`)
+        self._norm_weights = norm_fusion.RepeatedWeights(
+            [m for m in module.modules() if isinstance(m, nn.GroupNorm) and closed_form(m)]
+        )
         self._handles = []
         for name, m in module.named_modules():
             if closed_form(m):
@@ -183,6 +190,7 @@ class BookKeepingModule(nn.Module):
         if recording:
             self.records = {}
             self._arenas = []
+            self._norm_weights.clear()
             _refuse_unsupported(self._module)  # a strategy may have unfrozen another layer
             first = next((a for a in tree_leaves((args, kwargs)) if torch.is_tensor(a)), None)
             self._rows = None if first is None or first.dim() == 0 else first.shape[0]
@@ -260,6 +268,10 @@ class BookKeepingModule(nn.Module):
         assert isinstance(rec, LayerRecord)
         if not torch.compiler.is_compiling():  # autograd's saved tensors: eager only
             rules.forward_saved(rec, output)
+            x = args[0]
+            if self.fuse_norms and norm_fusion.fusable(module, x, output, rec.saved):
+                weights = self._norm_weights.of(module, rec.n)  # type: ignore[arg-type]
+                return norm_fusion.fused_output(rec, x, output, weights)
         return self._keep_grad(rec, output)
 
     def _keep_grad(self, rec: LayerRecord | FuncRecord, t: torch.Tensor) -> torch.Tensor | None:

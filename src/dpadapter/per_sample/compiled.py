@@ -66,6 +66,10 @@ class _Plan:
 class CompiledBookKeeping(BookKeepingModule):
     """`BookKeepingModule` whose recording forward runs `torch.compile(model)` (see above)."""
 
+    # the compiled graphs fuse GroupNorm's kernels themselves; the eager planning forward
+    # records as the compiled one does
+    fuse_norms = False
+
     def __init__(
         self, module: nn.Module, mode: str = "default", backend: str = "inductor", **kw: Any
     ):

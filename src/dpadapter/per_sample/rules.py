@@ -47,6 +47,8 @@ class LayerRecord:
     strategy: str = ""  # how its norms were computed: exact, ghost, per-example(-im2col)
     kept: dict[int, torch.Tensor] = field(default_factory=dict)  # per-example grads for the sum
     saved: tuple = ()  # what the layer's own forward computed and its rule reuses (`forward_saved`)
+    # per-example (weight, bias) gradients its backward already computed (`norm_fusion`)
+    per_example: tuple = ()
 
     @property
     def n(self) -> int:
@@ -241,31 +243,50 @@ def group_norm_saved(module: nn.Module, output: torch.Tensor) -> tuple:
 
 
 def group_norm_grads(module: nn.GroupNorm, a: torch.Tensor, g: torch.Tensor, saved: tuple = ()):
-    """Per-example (weight, bias) gradients (n, C) of a GroupNorm from one backward kernel.
-
-    Folding the batch into the channels, (n, C, HW) -> (1, n C, HW) with n G groups, makes
-    GroupNorm's own weight-gradient kernel, which sums over the batch, sum over one example
-    only: `sum_hw g xhat` and `sum_hw g` per example and channel in one kernel, where
-    normalising, multiplying and two sums took four (issue 47). Its formula is the one
-    autograd's GroupNorm backward uses, `(sum g x - mean sum g) rstd`.
-    """
+    """Per-example (weight, bias) gradients (n, C) of a GroupNorm from one backward kernel
+    (`group_norm_folded`), with the forward's (mean, 1/std) where it kept them."""
     n, c = a.shape[:2]
     hw = math.prod(a.shape[2:])
-    groups = n * module.num_groups
     stats = saved if saved and all(t.dtype == a.dtype for t in saved) else ()
     if not stats:
         stats = torch.ops.aten.native_group_norm(
             a, None, None, n, c, hw, module.num_groups, module.eps
         )[1:]
+    _, gw, gb = group_norm_folded(module, a, g, stats)
+    return gw, gb
+
+
+def group_norm_folded(
+    module: nn.GroupNorm,
+    a: torch.Tensor,
+    g: torch.Tensor,
+    stats: tuple,
+    weight: torch.Tensor | None = None,
+) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """(input gradient, per-example weight and bias gradients (n, C)) of a GroupNorm from one
+    backward kernel; the input gradient only when given the weight repeated per example
+    (`norm_fusion`), else None.
+
+    Folding the batch into the channels, (n, C, HW) -> (1, n C, HW) with n G groups, makes
+    GroupNorm's own weight-gradient kernel, which sums over the batch, sum over one example
+    only: `sum_hw g xhat` and `sum_hw g` per example and channel in one kernel, where
+    normalising, multiplying and two sums took four (issue 47). Its formula is the one
+    autograd's GroupNorm backward uses, `(sum g x - mean sum g) rstd`. `stats`: the forward's
+    (mean, 1/std), (n, G).
+    """
+    n, c = a.shape[:2]
+    hw = math.prod(a.shape[2:])
+    groups = n * module.num_groups
     mean, rstd = (t.reshape(1, groups) for t in stats)
-    # not read when no input gradient is asked for, but it must be given (a NaN weight changes
-    # nothing on the CPU; on CUDA the CUDA tests of test_bookkeeping.py check the result)
-    weight = a.new_empty(1).expand(n * c)
-    _, gw, gb = torch.ops.aten.native_group_norm_backward(
+    if weight is None:
+        # not read when no input gradient is asked for, but it must be given (a NaN weight
+        # changes nothing on the CPU; on CUDA the CUDA tests of test_bookkeeping.py check it)
+        weight = a.new_empty(1).expand(n * c)
+    dx, gw, gb = torch.ops.aten.native_group_norm_backward(
         g.reshape(1, n * c, hw), a.reshape(1, n * c, hw), mean, rstd, weight,
-        1, n * c, hw, groups, [False, True, True],
+        1, n * c, hw, groups, [weight.stride(0) != 0, True, True],
     )  # fmt: skip
-    return gw.view(n, c), gb.view(n, c)
+    return (dx.view_as(a) if dx is not None else None), gw.view(n, c), gb.view(n, c)
 
 
 def norm_layer_grads(module: nn.Module, a: torch.Tensor, g: torch.Tensor, saved: tuple = ()):
@@ -283,7 +304,7 @@ def norm_layer_grads(module: nn.Module, a: torch.Tensor, g: torch.Tensor, saved:
 def norm_layer_norms_sq(rec: LayerRecord, w, b, s: Settings) -> list[torch.Tensor | None]:
     assert rec.g is not None
     rec.strategy = "per-example"
-    gw, gb = norm_layer_grads(rec.module, rec.a, rec.g, rec.saved)
+    gw, gb = rec.per_example or norm_layer_grads(rec.module, rec.a, rec.g, rec.saved)
     parts: list[torch.Tensor | None] = []
     if w is not None:
         parts.append(keep(rec, w, gw, s.keep))
