@@ -74,10 +74,13 @@ def test_the_repeated_weights_follow_the_batch_size_and_the_weights():
         weights.clear()
         for m in gns:
             assert torch.equal(weights.of(m, n), m.weight.detach().repeat(n))
-    with torch.no_grad():
-        gns[1].weight.add_(1.0)  # an optimizer step between two forwards
     weights.clear()
+    weights.of(gns[0], 4)
+    with torch.no_grad():
+        gns[1].weight.add_(1.0)  # an optimizer step between two forwards, without a `clear`
     assert torch.equal(weights.of(gns[1], 4), gns[1].weight.detach().repeat(4))
+    gns[0].weight = nn.Parameter(torch.ones(4))  # a new tensor
+    assert torch.equal(weights.of(gns[0], 4), torch.ones(16))
 
 
 def test_where_the_kernels_stay_apart():

@@ -39,12 +39,11 @@ Numerics on CUDA: the norms (step 2) and the clipped sum (step 3) come from diff
 Gram product or a per-example gradient against one weight-gradient kernel). Under TF32 their
 inputs are rounded differently, and a clipped example's contribution to the sum could exceed C
 by ~1e-3 relative, i.e. more than the sensitivity the accountant is told. The optimizer's
-clipping (`optimizers`) therefore runs in full FP32 (`dpadapter.ground.device.full_fp32`: TF32 off
-for
-matmuls and cuDNN convolutions, the previous flags restored afterwards), so both agree to FP32
-rounding as on the CPU; the model's forward and backward keep TF32 (config `tf32`). Clipping at
-a reduced bound was the alternative; it would need a proven bound on TF32's error for every
-kernel.
+clipping (`optimizers`) therefore runs in full FP32 (`dpadapter.ground.device.full_fp32`: TF32
+off for matmuls and cuDNN convolutions, the previous flags restored afterwards), so both agree
+to FP32 rounding as on the CPU; the model's forward and backward keep TF32 (config `tf32`).
+Clipping at a reduced bound was the alternative; it would need a proven bound on TF32's error
+for every kernel.
 
 Closed forms (`rules.RULES`): Linear (any leading dims), Conv2d (zeros padding, any groups,
 stride, dilation), GroupNorm, LayerNorm, each only where its class keeps the base class' forward
@@ -78,6 +77,12 @@ from dpadapter.per_sample import arena, functional, norm_fusion, rules
 from dpadapter.per_sample.buffers import Workspace
 from dpadapter.per_sample.clip import folded_rows_error
 from dpadapter.per_sample.functional import FuncRecord
+from dpadapter.per_sample.independence import (
+    detached,
+    mixes_examples,
+    refuse_unsupported,
+    unsupported_trainable,
+)
 from dpadapter.per_sample.rules import SUPPORTED_LAYERS, LayerRecord, closed_form
 from dpadapter.per_sample.tokens import TokenLayout, token_layout
 
@@ -86,37 +91,6 @@ __all__ = ["SUPPORTED_LAYERS", "BookKeepingModule", "closed_form", "unsupported_
 
 def _owns_parameters(m: nn.Module) -> bool:
     return any(True for _ in m.parameters(recurse=False))
-
-
-def unsupported_trainable(model: nn.Module, trainable_only: bool = True) -> list[str]:
-    """Names of modules holding (trainable) parameters that book-keeping cannot clip.
-
-    Only a BatchNorm in training mode (it mixes the examples); every other module is clipped,
-    by a closed form or by torch.func (module docstring).
-    """
-    out = []
-    for name, m in model.named_modules():
-        own = list(m.parameters(recurse=False))
-        if trainable_only:
-            own = [p for p in own if p.requires_grad]
-        if own and _mixes_examples(m):
-            out.append(f"{name or '<root>'} ({type(m).__name__} in training mode)")
-    return out
-
-
-def _mixes_examples(m: nn.Module) -> bool:
-    return isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training
-
-
-def _refuse_unsupported(model: nn.Module) -> None:
-    bad = unsupported_trainable(model)
-    if bad:
-        raise ValueError(
-            "grad_sample_mode 'bk' cannot clip the trainable parameters of: "
-            + ", ".join(bad)
-            + " (its output mixes the examples of a batch; put it in eval mode to use its "
-            "running statistics, or replace it by GroupNorm)"
-        )
 
 
 class BookKeepingModule(nn.Module):
@@ -139,7 +113,7 @@ class BookKeepingModule(nn.Module):
         super().__init__()
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"loss_reduction must be 'mean' or 'sum', not {loss_reduction!r}")
-        _refuse_unsupported(module)
+        refuse_unsupported(module)
         self._module = module
         self.loss_reduction = loss_reduction
         # Per-example gradients of a layer up to this many elements (64 MiB in float32) are
@@ -164,10 +138,7 @@ class BookKeepingModule(nn.Module):
         self._switched_off: list[nn.Parameter] = []
         self._rows: int | None = None  # the batch size of the current forward
         self._replaying = False  # torch.func runs a module's forward again: record nothing
-        # GroupNorms' weights repeated per example for their fused backward (`norm_fusion`)
-        self._norm_weights = norm_fusion.RepeatedWeights(
-            [m for m in module.modules() if isinstance(m, nn.GroupNorm) and closed_form(m)]
-        )
+        self._norm_weights = norm_fusion.RepeatedWeights.of_model(module)  # `norm_fusion`
         self._handles = []
         for name, m in module.named_modules():
             if closed_form(m):
@@ -191,7 +162,7 @@ class BookKeepingModule(nn.Module):
             self.records = {}
             self._arenas = []
             self._norm_weights.clear()
-            _refuse_unsupported(self._module)  # a strategy may have unfrozen another layer
+            refuse_unsupported(self._module)  # a strategy may have unfrozen another layer
             first = next((a for a in tree_leaves((args, kwargs)) if torch.is_tensor(a)), None)
             self._rows = None if first is None or first.dim() == 0 else first.shape[0]
         try:
@@ -268,10 +239,8 @@ class BookKeepingModule(nn.Module):
         assert isinstance(rec, LayerRecord)
         if not torch.compiler.is_compiling():  # autograd's saved tensors: eager only
             rules.forward_saved(rec, output)
-            x = args[0]
-            if self.fuse_norms and norm_fusion.fusable(module, x, output, rec.saved):
-                weights = self._norm_weights.of(module, rec.n)  # type: ignore[arg-type]
-                return norm_fusion.fused_output(rec, x, output, weights)
+            if self.fuse_norms and norm_fusion.fusable(module, args[0], output, rec.saved):
+                return norm_fusion.fused_output(rec, args[0], output, self._norm_weights)
         return self._keep_grad(rec, output)
 
     def _keep_grad(self, rec: LayerRecord | FuncRecord, t: torch.Tensor) -> torch.Tensor | None:
@@ -294,7 +263,7 @@ class BookKeepingModule(nn.Module):
             )
             if not trained:
                 return
-            if _mixes_examples(module):
+            if mixes_examples(module):
                 raise RuntimeError(
                     f"grad_sample_mode 'bk': {what} is a BatchNorm in training mode; its output "
                     "mixes the examples of a batch (eval mode uses its running statistics)"
@@ -302,7 +271,7 @@ class BookKeepingModule(nn.Module):
             leaves = [v for v in tree_leaves((args, kwargs)) if torch.is_tensor(v)]
             if any(v.requires_grad for v in leaves):  # its output gets a gradient through them
                 self._switch_off(trained)
-            args, kwargs = tree_map(_detached, (args, kwargs))
+            args, kwargs = tree_map(detached, (args, kwargs))
             self.records[module] = FuncRecord(module, name, args, kwargs, trained)
 
         return hook
@@ -424,15 +393,15 @@ class BookKeepingModule(nn.Module):
         """The norms from the records' rules, each layer's parts summed (`compiled` compiles
         this phase)."""
         parts: list = []
-        settings = self._settings
         # ghost norms of layers with one Gram shape, a product and a sum per group (`ghost`)
-        settings = replace(settings, ghosts=rules.ghost_groups(taken, wanted, settings))
+        ghosts = rules.ghost_groups(taken, wanted, self._settings)
+        settings = replace(self._settings, ghosts=ghosts)
         for rec in taken:
             if isinstance(rec, FuncRecord):
                 parts += functional.func_norms_sq(rec, wanted, self.keep_elements, self._replay)
             else:
                 parts += rules.layer_norms_sq(rec, wanted, settings)
-        parts = settings.ghosts.resolve(parts)
+        parts = ghosts.resolve(parts)
         # the kept gradients' norms in one reduction, their sums later in one product (`arena`)
         self._arenas = arena.gather(taken, self._loss_scale, self.workspace)
         parts += [a.norms_sq() for a in self._arenas]
@@ -487,10 +456,6 @@ class BookKeepingModule(nn.Module):
             yield
         finally:
             self._replaying = False
-
-
-def _detached(v: Any) -> Any:
-    return v.detach() if isinstance(v, torch.Tensor) else v
 
 
 def _full_precision(rec: LayerRecord | FuncRecord) -> None:

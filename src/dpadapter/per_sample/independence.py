@@ -253,7 +253,7 @@ def _record_calls(model: nn.Module, x: torch.Tensor) -> dict[nn.Module, tuple]:
     calls: dict[nn.Module, tuple] = {}
 
     def keep(module, args, kwargs):
-        calls.setdefault(module, (tree_map(_detached, args), tree_map(_detached, kwargs)))
+        calls.setdefault(module, (tree_map(detached, args), tree_map(detached, kwargs)))
 
     handles = [m.register_forward_pre_hook(keep, with_kwargs=True) for m in model.modules()]
     snap, attrs = snapshot_buffers(model), snapshot_attributes(model)
@@ -431,9 +431,41 @@ def _leaf(v: Any, n: int, grad: bool) -> Any:
     return v
 
 
-def _detached(v: Any) -> Any:
+def detached(v: Any) -> Any:
     return v.detach() if torch.is_tensor(v) else v
 
 
 def _cloned(v: Any) -> Any:
     return v.clone() if torch.is_tensor(v) else v
+
+
+# --- book-keeping's refusal: a trained module that mixes the examples of a batch -----------
+def unsupported_trainable(model: nn.Module, trainable_only: bool = True) -> list[str]:
+    """Names of modules holding (trainable) parameters that book-keeping cannot clip.
+
+    Only a BatchNorm in training mode (it mixes the examples); every other module is clipped,
+    by a closed form or by torch.func (module docstring).
+    """
+    out = []
+    for name, m in model.named_modules():
+        own = list(m.parameters(recurse=False))
+        if trainable_only:
+            own = [p for p in own if p.requires_grad]
+        if own and mixes_examples(m):
+            out.append(f"{name or '<root>'} ({type(m).__name__} in training mode)")
+    return out
+
+
+def mixes_examples(m: nn.Module) -> bool:
+    return isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training
+
+
+def refuse_unsupported(model: nn.Module) -> None:
+    bad = unsupported_trainable(model)
+    if bad:
+        raise ValueError(
+            "grad_sample_mode 'bk' cannot clip the trainable parameters of: "
+            + ", ".join(bad)
+            + " (its output mixes the examples of a batch; put it in eval mode to use its "
+            "running statistics, or replace it by GroupNorm)"
+        )

@@ -41,12 +41,20 @@ class RepeatedWeights:
     is the start of its layer's block (a view): Poisson batches change size every step, and an
     index rebuilt per size would cost more kernels than it saves."""
 
+    @classmethod
+    def of_model(cls, model: nn.Module) -> RepeatedWeights:
+        """For the model's GroupNorms that book-keeping clips by their closed form."""
+        return cls(
+            [m for m in model.modules() if isinstance(m, nn.GroupNorm) and rules.closed_form(m)]
+        )
+
     def __init__(self, modules: list[nn.GroupNorm]):
         self.modules = [m for m in modules if m.weight is not None]
         self._index: torch.Tensor | None = None
         self._rows = 0
         self._starts: dict[nn.Module, int] = {}
         self._values: torch.Tensor | None = None  # this forward's gather, made at first use
+        self._key: tuple = ()
 
     def clear(self) -> None:
         """A new forward: the weights may have changed since the last."""
@@ -54,10 +62,16 @@ class RepeatedWeights:
 
     def of(self, module: nn.GroupNorm, n: int) -> torch.Tensor:
         c = module.num_channels
-        if self._values is None or n > self._rows:
+        # the weights' identities and in-place versions: values gathered before an optimizer
+        # step (or a DP-SAT perturbation) are never handed out after it, even where a forward
+        # skipped `clear`
+        key = tuple((id(m.weight), m.weight._version) for m in self.modules)
+        if self._values is None or n > self._rows or key != self._key:
+            self._key = key
             weights = [m.weight.detach().reshape(-1) for m in self.modules]
-            if n > self._rows or self._index is None:
-                self._build(weights, n)
+            index = self._index
+            if index is None or n > self._rows or index.device != weights[0].device:
+                self._build(weights, max(n, self._rows))  # grown, or the model moved
             assert self._index is not None
             self._values = torch.cat(weights).index_select(0, self._index)
         start = self._starts[module]
@@ -91,11 +105,12 @@ def fusable(module: nn.Module, x: torch.Tensor, output: torch.Tensor, saved: tup
 
 
 def fused_output(
-    rec: Any, x: torch.Tensor, output: torch.Tensor, weights: torch.Tensor
+    rec: Any, x: torch.Tensor, output: torch.Tensor, weights: RepeatedWeights
 ) -> torch.Tensor:
     """`output`'s values, whose backward fills `rec.g` and `rec.per_example` (a `LayerRecord`
     with the forward's (mean, 1/std) in `rec.saved`) and returns `x`'s gradient."""
-    return _FusedBackward.apply(x, _Values(output.detach()), rec, weights)
+    repeated = weights.of(rec.module, x.shape[0])
+    return _FusedBackward.apply(x, _Values(output.detach()), rec, repeated)
 
 
 class _Values:
