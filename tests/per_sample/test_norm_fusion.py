@@ -96,3 +96,8 @@ def test_where_the_kernels_stay_apart():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert not norm_fusion.fusable(gn, x, out, saved)
     assert not norm_fusion.fusable(nn.GroupNorm(2, 4, affine=False), x, out, saved)
+    # a bf16 layer: its per-example gradients are taken from fp32 copies in the norms phase
+    low = gn.to(torch.bfloat16)
+    xb = x.detach().to(torch.bfloat16).requires_grad_()
+    yb, mb, rb = torch.ops.aten.native_group_norm(xb, low.weight, low.bias, 3, 4, 25, 2, 1e-5)
+    assert not norm_fusion.fusable(low, xb, yb, (mb, rb))

@@ -18,7 +18,8 @@ repeated per example for every fused layer come from one gather a forward (`Repe
 not one copy per layer, which would cost the kernel saved.
 
 Where not: a layer whose input needs no gradient (its weights stay on and autograd's kernel
-computes what is needed), a forward under autocast (the kernel's input is a cast copy), an
+computes what is needed), a forward under autocast (the kernel's input is a cast copy) or in
+bf16/fp16 (the norms phase takes low-precision records' per-example gradients in fp32), an
 input that is not contiguous (folding it would copy it), a compiled forward (`compiled`: its
 graphs fuse the kernels themselves, and a backward with side effects would not trace).
 """
@@ -100,6 +101,7 @@ def fusable(module: nn.Module, x: torch.Tensor, output: torch.Tensor, saved: tup
         and x.dim() >= 2
         and len(saved) == 2
         and x.dtype == output.dtype == module.weight.dtype == saved[0].dtype
+        and x.dtype in (torch.float32, torch.float64)
         and not torch.is_autocast_enabled(x.device.type)
     )
 
