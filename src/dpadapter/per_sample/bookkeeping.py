@@ -394,8 +394,9 @@ class BookKeepingModule(nn.Module):
         this phase)."""
         parts: list = []
         # ghost norms of layers with one Gram shape, a product and a sum per group (`ghost`)
-        ghosts = rules.ghost_groups(taken, wanted, self._settings)
-        settings = replace(self._settings, ghosts=ghosts)
+        settings = self._settings
+        ghosts = rules.ghost_groups(taken, wanted, settings)
+        settings = replace(settings, ghosts=ghosts)
         for rec in taken:
             if isinstance(rec, FuncRecord):
                 parts += functional.func_norms_sq(rec, wanted, self.keep_elements, self._replay)

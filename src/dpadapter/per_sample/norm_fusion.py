@@ -55,7 +55,7 @@ class RepeatedWeights:
         self._rows = 0
         self._starts: dict[nn.Module, int] = {}
         self._values: torch.Tensor | None = None  # this forward's gather, made at first use
-        self._key: tuple = ()
+        self._gathered: dict[nn.Module, tuple[int, int]] = {}  # module -> its weight's stamp
 
     def clear(self) -> None:
         """A new forward: the weights may have changed since the last."""
@@ -63,12 +63,11 @@ class RepeatedWeights:
 
     def of(self, module: nn.GroupNorm, n: int) -> torch.Tensor:
         c = module.num_channels
-        # the weights' identities and in-place versions: values gathered before an optimizer
-        # step (or a DP-SAT perturbation) are never handed out after it, even where a forward
-        # skipped `clear`
-        key = tuple((id(m.weight), m.weight._version) for m in self.modules)
-        if self._values is None or n > self._rows or key != self._key:
-            self._key = key
+        # the asking layer's weight as gathered (identity, in-place version): values gathered
+        # before an optimizer step (or a DP-SAT perturbation) are never handed out after it,
+        # even where a forward skipped `clear`; one check per layer, not one per layer pair
+        if self._values is None or n > self._rows or self._gathered[module] != _stamp(module):
+            self._gathered = {m: _stamp(m) for m in self.modules}
             weights = [m.weight.detach().reshape(-1) for m in self.modules]
             index = self._index
             if index is None or n > self._rows or index.device != weights[0].device:
@@ -89,6 +88,10 @@ class RepeatedWeights:
             start += rows * c
         self._index = torch.cat(index)
         self._rows = rows
+
+
+def _stamp(m: nn.Module) -> tuple[int, int]:
+    return id(m.weight), m.weight._version
 
 
 def fusable(module: nn.Module, x: torch.Tensor, output: torch.Tensor, saved: tuple) -> bool:

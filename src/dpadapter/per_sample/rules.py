@@ -278,13 +278,14 @@ def group_norm_folded(
     hw = math.prod(a.shape[2:])
     groups = n * module.num_groups
     mean, rstd = (t.reshape(1, groups) for t in stats)
+    input_grad = weight is not None
     if weight is None:
         # not read when no input gradient is asked for, but it must be given (a NaN weight
         # changes nothing on the CPU; on CUDA the CUDA tests of test_bookkeeping.py check it)
         weight = a.new_empty(1).expand(n * c)
     dx, gw, gb = torch.ops.aten.native_group_norm_backward(
         g.reshape(1, n * c, hw), a.reshape(1, n * c, hw), mean, rstd, weight,
-        1, n * c, hw, groups, [weight.stride(0) != 0, True, True],
+        1, n * c, hw, groups, [input_grad, True, True],
     )  # fmt: skip
     return (dx.view_as(a) if dx is not None else None), gw.view(n, c), gb.view(n, c)
 
