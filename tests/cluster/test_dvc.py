@@ -16,11 +16,12 @@ import json
 import os
 import re
 import shutil
-import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
+import snakemake_runner  # tests/ is on sys.path
 import torch
 import yaml
 from cluster_helpers import REPO, VENV_BIN, job_env
@@ -35,7 +36,9 @@ ROOT_STAGES = ["warmup", "pretrain@scratch", "pretrain@standard", "finetune"]
 
 
 def _run(cmd: list[str], cwd: Path, env: dict, timeout: float = 1200) -> str:
-    r = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    # Snakemake's command line forked from the tests' server (tests/snakemake_runner.py): the
+    # same `python -m snakemake` run, without its second of imports; dvc and git as processes.
+    r = snakemake_runner.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     assert r.returncode == 0, f"{' '.join(cmd)} failed:\n{(r.stdout + r.stderr)[-5000:]}"
     return r.stdout + r.stderr
 
@@ -57,7 +60,9 @@ def _finetune_results(results: Path) -> dict[str, tuple[dict, dict]]:
     return out
 
 
-def test_dvc_pull_then_snakemake_retrains_no_checkpoint(tiny_raw, tmp_path):
+def test_dvc_pull_then_snakemake_retrains_no_checkpoint(tiny_raw, tmp_path, shared_fork_servers):
+    """Its runs' jobs come from the tests' fork servers (`shared_fork_servers`): which process
+    runs a job changes none of its files (tests/launch/test_prefork.py)."""
     raw = tiny_raw
     raw["tasks"] = {"syn-shift": raw["tasks"]["syn-shift"]}
     raw["finetune"]["epsilons"] = [4]
@@ -74,7 +79,7 @@ def test_dvc_pull_then_snakemake_retrains_no_checkpoint(tiny_raw, tmp_path):
     (repo / ".venv").symlink_to(REPO / ".venv")  # dvc.yaml runs .venv/bin/snakemake
     env = job_env(repo, GIT_AUTHOR_NAME="t", GIT_AUTHOR_EMAIL="t@t", GIT_COMMITTER_NAME="t")
     env["GIT_COMMITTER_EMAIL"] = "t@t"
-    dvc, smk = str(VENV_BIN / "dvc"), str(VENV_BIN / "snakemake")
+    dvc, smk = str(VENV_BIN / "dvc"), [sys.executable, "-m", "snakemake"]
     _run(["git", "init", "-q"], repo, env)
     (repo / ".git" / "info" / "exclude").write_text(".venv\n")
     _run(["git", "add", "-A"], repo, env)
@@ -82,7 +87,9 @@ def test_dvc_pull_then_snakemake_retrains_no_checkpoint(tiny_raw, tmp_path):
 
     # 1. The pipeline as `make run` runs it: plain Snakemake. It records its outputs in dvc.lock
     # itself, so the push right after it uploads them (no "Everything is up to date").
-    _run([smk, "--cores", "2"], repo, env)
+    _run([*smk, "--cores", "2"], repo, env)
+    if shared_fork_servers.env:  # the run used them and started none of its own
+        assert not (repo / "results" / "logs" / "prefork.log").exists()
     lock = yaml.safe_load((repo / "dvc.lock").read_text())["stages"]
     assert set(lock) == set(ROOT_STAGES)
     assert lock["pretrain@standard"]["deps"][0]["path"] == "results/warmup/model.pt"
@@ -111,12 +118,12 @@ def test_dvc_pull_then_snakemake_retrains_no_checkpoint(tiny_raw, tmp_path):
         os.utime(p, (now - 60, now - 60))
 
     # 3. No manual step: Snakemake schedules fine-tuning only ...
-    jobs = _job_counts(_run([smk, "-n", "--cores", "2"], repo, env))
+    jobs = _job_counts(_run([*smk, "-n", "--cores", "2"], repo, env))
     assert "warmup" not in jobs and "pretrain" not in jobs, jobs
     assert jobs.get("finetune") == 2, jobs
 
     # 4. ... and fine-tuning from the pulled checkpoints reproduces the first results.
-    _run([smk, "--cores", "2", "results/summary/finetune.csv"], repo, env)
+    _run([*smk, "--cores", "2", "results/summary/finetune.csv"], repo, env)
     after = _finetune_results(repo / "results")
     assert sorted(after) == sorted(before)
     for key, (m_before, w_before) in before.items():
@@ -132,5 +139,5 @@ def test_dvc_pull_then_snakemake_retrains_no_checkpoint(tiny_raw, tmp_path):
     _run([dvc, "pull", "dvc.yaml"], repo, env)
     for p in (repo / "results" / "finetune").rglob("*"):
         os.utime(p, (now - 300, now - 300))
-    jobs = _job_counts(_run([smk, "-n", "--cores", "2"], repo, env))
+    jobs = _job_counts(_run([*smk, "-n", "--cores", "2"], repo, env))
     assert not {"warmup", "pretrain", "finetune", "aggregate"} & set(jobs), jobs

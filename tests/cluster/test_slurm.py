@@ -207,7 +207,7 @@ def _minutes(limit: str) -> int:
     return (int(days) if days else 0) * 1440 + h * 60 + m + (s > 0)
 
 
-def test_profile_runs_the_pipeline_through_sbatch(slurm_cluster, tiny_raw, tmp_path):
+def test_profile_runs_the_pipeline_through_sbatch(slurm_cluster, tiny_raw, tmp_path, _fork_servers):
     # Two upstream methods (one needs the warm-up), one task, one epsilon: 6 jobs, all rules.
     raw = tiny_raw
     raw["tasks"] = {"syn-shift": raw["tasks"]["syn-shift"]}
@@ -299,7 +299,8 @@ def test_profile_runs_the_pipeline_through_sbatch(slurm_cluster, tiny_raw, tmp_p
             "--upstream", "standard", "--task", "syn-shift", "--algo", "dpsgd", "--eps", "4",
             "--seed", "0", "--ckpt", "results/pretrain/standard/model.pt", "--out", "local",
         ],
-        cwd=wd, env=job_env(wd, DPADAPTER_THREADS=threads, MLFLOW_TRACKING_URI="sqlite:///local.db"),
+        cwd=wd, env=job_env(wd, MLFLOW_TRACKING_URI="sqlite:///local.db",
+                            **_local_servers(_fork_servers, threads)),
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert local.returncode == 0, local.stderr[-3000:]
@@ -311,7 +312,9 @@ def test_profile_runs_the_pipeline_through_sbatch(slurm_cluster, tiny_raw, tmp_p
     assert all(torch.allclose(w_here[k], w_slurm[k], atol=1e-6) for k in w_slurm)
 
 
-def test_one_job_in_two_processes_through_the_profile(slurm_cluster, tiny_raw, tmp_path):
+def test_one_job_in_two_processes_through_the_profile(
+    slurm_cluster, tiny_raw, tmp_path, _fork_servers
+):
     """`finetune.processes: 2` through the unchanged profile: the fine-tuning job's allocation
     (a group of one) asks for 2 GPUs on one node, which the test node's two stand-in GPUs give;
     with `device: cpu` the two processes train on gloo. One metrics.json, written by rank 0,
@@ -376,7 +379,8 @@ def test_one_job_in_two_processes_through_the_profile(slurm_cluster, tiny_raw, t
             "--upstream", "scratch", "--task", "syn-shift", "--algo", "dpsgd", "--eps", "4",
             "--seed", "0", "--ckpt", "results/pretrain/scratch/model.pt", "--out", "local",
         ],
-        cwd=wd, env=job_env(wd, MLFLOW_TRACKING_URI="sqlite:///local.db"),
+        cwd=wd, env=job_env(wd, MLFLOW_TRACKING_URI="sqlite:///local.db",
+                            **_local_servers(_fork_servers, "1")),
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert local.returncode == 0, local.stderr[-3000:]
@@ -391,6 +395,18 @@ def test_one_job_in_two_processes_through_the_profile(slurm_cluster, tiny_raw, t
     w_two = torch.load(wd / job_dir / "model.pt", weights_only=False)["state_dict"]
     w_one = torch.load(wd / "local" / "model.pt", weights_only=False)["state_dict"]
     assert any(not torch.equal(w_two[k], w_one[k]) for k in w_one)
+
+
+def _local_servers(servers, threads: str) -> dict[str, str]:
+    """The local reference job (never a Slurm job: their environment does not name them) runs
+    forked from the tests' fork server of its thread count where it is up: the same files as
+    its own process (tests/launch/test_prefork.py), without a second start of torch, Opacus and
+    MLflow. The thread variables as Snakemake sets them for a job of `threads` (the Slurm job's
+    too); a server of another count refuses the job, which then runs in its own process."""
+    from dpadapter.launch import prefork
+
+    env = {"DPADAPTER_THREADS": threads, **dict.fromkeys(prefork.THREAD_ENV, threads)}
+    return {**env, prefork.ENV: servers.env} if servers.env else env
 
 
 def log_of(wd: Path, job_dir: Path) -> str:

@@ -155,3 +155,15 @@ def test_snakemake_prints_each_problem_once_with_the_users_file_and_line(tmp_pat
     )
     assert found == [(str(second), str(first))], out[-3000:]
     assert not (tmp_path / "r").exists()
+
+
+def test_the_schema_reads_the_same_with_either_yaml_parser():
+    """`base_schema` takes libyaml's parser where PyYAML has it (for speed); the tree must be
+    the pure-Python parser's, or a job would validate against another schema than the docs'."""
+    import yaml
+
+    from dpadapter.settings import base_schema, schema
+
+    assert base_schema() == yaml.load(schema.SCHEMA_PATH.read_text(), Loader=yaml.SafeLoader)
+    if yaml.__with_libyaml__:
+        assert schema._SAFE_LOADER is yaml.CSafeLoader

@@ -20,9 +20,15 @@ REPO_ROOT = Path(__file__).resolve().parents[3]
 SCHEMA_PATH = REPO_ROOT / "workflow" / "schemas" / "config.schema.yaml"
 
 
+# libyaml's parser where PyYAML was built with it: the same tree from the same safe constructor,
+# about 8x faster than the pure-Python one on this 27 kB file (50 -> 6 ms of CPU, 2026-11-28,
+# machine vm), which every job, Snakemake run and validation parses once.
+_SAFE_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
 def base_schema() -> dict[str, Any]:
     """The config's JSON schema as written, without the registries' params schemas."""
-    return yaml.safe_load(SCHEMA_PATH.read_text())
+    return yaml.load(SCHEMA_PATH.read_text(), Loader=_SAFE_LOADER)
 
 
 # A YAML 1.1 float needs a dot: PyYAML reads `1e-5` (and anything quoted) as a string.
