@@ -76,7 +76,7 @@ THREAD_ENV = (
     "VECLIB_MAXIMUM_THREADS",
     "NUMEXPR_NUM_THREADS",
 )
-LOAD_TIME_ENV = (*THREAD_ENV, "PYTHONHASHSEED")
+LOAD_TIME_ENV = (*THREAD_ENV, "OMP_WAIT_POLICY", "PYTHONHASHSEED")  # dpadapter.compat.openmp
 
 
 def _identity() -> dict[str, object]:
