@@ -34,17 +34,10 @@ def _clone(rev: str, into: Path) -> Path:
     return into
 
 
-# What a new user's shell does not have and this script's interpreter may: the venv's Python sets
-# OMP_WAIT_POLICY when it imports dpadapter (dpadapter.compat.openmp). Each revision's own code
-# decides it for its run, not the code this script runs from.
-_NOT_INHERITED = ("OMP_WAIT_POLICY",)
-
-
 def _timed(cmd: list[str], cwd: Path, log: Path) -> tuple[float, int]:
-    env = {k: v for k, v in os.environ.items() if k not in _NOT_INHERITED}
     t0 = time.perf_counter()
     with open(log, "w") as fh:
-        rc = subprocess.run(cmd, cwd=cwd, env=env, stdout=fh, stderr=subprocess.STDOUT).returncode
+        rc = subprocess.run(cmd, cwd=cwd, stdout=fh, stderr=subprocess.STDOUT).returncode
     return time.perf_counter() - t0, rc
 
 

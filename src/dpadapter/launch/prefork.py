@@ -76,7 +76,8 @@ THREAD_ENV = (
     "VECLIB_MAXIMUM_THREADS",
     "NUMEXPR_NUM_THREADS",
 )
-LOAD_TIME_ENV = (*THREAD_ENV, "OMP_WAIT_POLICY", "PYTHONHASHSEED")  # dpadapter.compat.openmp
+# OpenMP's wait policy too (how idle threads wait; the test suite sets it, tests/conftest.py)
+LOAD_TIME_ENV = (*THREAD_ENV, "OMP_WAIT_POLICY", "PYTHONHASHSEED")
 
 
 def _identity() -> dict[str, object]:
