@@ -405,7 +405,7 @@ def _local_servers(servers, threads: str) -> dict[str, str]:
     too); a server of another count refuses the job, which then runs in its own process."""
     from dpadapter.launch import prefork
 
-    env = {"DPADAPTER_THREADS": threads, **dict.fromkeys(prefork.THREAD_ENV, threads)}
+    env = {"DPADAPTER_THREADS": threads, **prefork.thread_env(threads)}
     return {**env, prefork.ENV: servers.env} if servers.env else env
 
 

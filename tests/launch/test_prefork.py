@@ -33,7 +33,7 @@ def _env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != prefork.ENV}
     env["PYTHONPATH"] = os.pathsep.join([str(SRC), env.get("PYTHONPATH", "")])
     env["DPADAPTER_THREADS"] = "1"
-    env.update(dict.fromkeys(prefork.THREAD_ENV, "1"))  # as Snakemake sets them for threads: 1
+    env.update(prefork.thread_env(1))  # as Snakemake sets them for threads: 1
     env.update(extra)
     return env
 
@@ -190,7 +190,7 @@ def test_a_job_goes_to_the_server_of_its_thread_count(server, tmp_path, tmp_path
     one, one_log = server
     log2 = tmp_path_factory.mktemp("prefork2") / "prefork.log"
     env = dict(os.environ)
-    os.environ.update(dict.fromkeys(prefork.THREAD_ENV, "2"))
+    os.environ.update(prefork.thread_env(2))
     try:
         two = prefork.start(sys.executable, log2, threads=2, idle_seconds=120)
     finally:
@@ -207,7 +207,7 @@ def test_a_job_goes_to_the_server_of_its_thread_count(server, tmp_path, tmp_path
             p = subprocess.run(
                 [sys.executable, "-m", "dpadapter", "--config", str(cfg), "validate"],
                 cwd=tmp_path,
-                env=_env(**{prefork.ENV: both}, **dict.fromkeys(prefork.THREAD_ENV, threads)),
+                env=_env(**{prefork.ENV: both}, **prefork.thread_env(threads)),
                 capture_output=True,
                 text=True,
                 timeout=120,

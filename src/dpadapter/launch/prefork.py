@@ -76,8 +76,13 @@ THREAD_ENV = (
     "VECLIB_MAXIMUM_THREADS",
     "NUMEXPR_NUM_THREADS",
 )
-# OpenMP's wait policy too (how idle threads wait; the test suite sets it, tests/conftest.py)
+# and OpenMP's wait policy, read when libgomp loads (how idle threads wait; docs/speed.md)
 LOAD_TIME_ENV = (*THREAD_ENV, "OMP_WAIT_POLICY", "PYTHONHASHSEED")
+
+
+def thread_env(threads: int | str) -> dict[str, str]:
+    """The thread variables as Snakemake sets them for a job of `threads` threads."""
+    return dict.fromkeys(THREAD_ENV, str(threads))
 
 
 def _identity() -> dict[str, object]:
@@ -485,7 +490,7 @@ def start(
         start_new_session=True,
         env={
             **{k: v for k, v in os.environ.items() if k != ENV},
-            **dict.fromkeys(THREAD_ENV, str(threads)),
+            **thread_env(threads),
         },
     )
     log.close()

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.usefixtures("module_fork_servers")
 
 
 def _run(config: Path, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), **dict.fromkeys(prefork.THREAD_ENV, "1")}
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), **prefork.thread_env(1)}
     cmd = [sys.executable, "-m", "dpadapter", "--config", str(config), *args]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
 
