@@ -105,7 +105,8 @@ def test_a_cell_starts_only_when_its_projection_fits(tmp_path):
     import_bench("gpu_session_run")
     t2 = import_bench("gpu_session_table2")
     cells = t2.Cells(None, None, tmp_path, stall={t2.key(a, e) for a, e in t2.CELLS}, parallel=4)
-    cells.command = lambda a, e: (tmp_path, [sys.executable, "-c", "import time; time.sleep(60)"])
+    sleep = [sys.executable, "-c", "import time; time.sleep(60)"]
+    cells.command = lambda a, e, m: (tmp_path, sleep)
     cells.pending = list(t2.CELLS[2:])
     cells.outcomes = {"dpsgd-eps3": None, "dpsat-eps3": None}
     cells.alone_s = [100.0]
@@ -116,3 +117,33 @@ def test_a_cell_starts_only_when_its_projection_fits(tmp_path):
     assert list(cells.running) == ["dpsgd-eps1"]
     cells.stop_all("test")
     assert cells.outcomes["dpsgd-eps1"].status == "cut"
+
+
+def test_a_cell_whose_self_test_refuses_the_mode_runs_again_in_hooks(tmp_path):
+    """A device-only bug in the session's mode costs one cell's start, not the loan: the cell
+    is queued again first, in hooks, and reported with the mode it ran in; any other failure
+    is a failure."""
+    import_bench("gpu_session_run")
+    t2 = import_bench("gpu_session_table2")
+    cells = t2.Cells(None, None, tmp_path, stall=set(), parallel=4, mode="bk")
+    refuse = "import sys; print('PerSampleCheckError: sums differ'); sys.exit(1)"
+
+    def command(algo, eps, mode):
+        if algo == "dpsgd" and mode == "bk":
+            return tmp_path, [sys.executable, "-c", refuse]
+        if algo == "dpsat":  # fails for another reason: no second try
+            return tmp_path, [sys.executable, "-c", "raise SystemExit(3)"]
+        return tmp_path, [sys.executable, "-c", "pass"]
+
+    cells.command = command
+    cells.pending = list(t2.CELLS[:2])
+    end = time.monotonic() + 60
+    while cells.pending or cells.running:
+        cells.poll()
+        cells.schedule(end)
+        time.sleep(0.05)
+    assert cells.modes == {"dpsgd-eps3": "hooks", "dpsat-eps3": "bk"}
+    ok, bad = cells.outcomes["dpsgd-eps3"], cells.outcomes["dpsat-eps3"]
+    assert ok.status == "passed" and "in hooks: the self-test refused bk" in ok.note
+    assert ok.log.endswith("table2-dpsgd-eps3-hooks.log")
+    assert bad.status == "failed" and "hooks" not in bad.note

@@ -185,6 +185,44 @@ def test_the_check_leaves_an_independent_model_and_the_rng_untouched():
     assert "unverified" in wrapped.per_sample_check["note"]
 
 
+_FLAGS_SEEN: list[tuple[bool, bool]] = []  # outside the module: the check restores its state
+
+
+class FlagRecorder(nn.Module):
+    """Per-example; records the cuDNN flags each of its calls ran under."""
+
+    def forward(self, x):
+        _FLAGS_SEEN.append((torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark))
+        return x
+
+
+class DetachedMean(nn.Module):
+    """Mixes in its forward only: its gradients are per-example, its outputs are not."""
+
+    def forward(self, x):
+        return x + x.detach().mean(0, keepdim=True)
+
+
+def test_the_check_runs_on_deterministic_kernels_and_restores_the_flags(monkeypatch):
+    # autotuned cuDNN picks atomic-adding kernels whose sums differ in the last bits between
+    # two runs of one batch: the bit-for-bit comparison needs deterministic ones (a GPU-only
+    # refusal of GNResNet-10 on an H200, 2026-11-28); the job's own settings come back after
+    monkeypatch.setattr(torch.backends.cudnn, "deterministic", False)
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", True)
+    _FLAGS_SEEN.clear()
+    model = nn.Sequential(nn.Conv2d(1, 4, 3), FlagRecorder(), nn.Flatten(), nn.Linear(64, 3))
+    wrap_for_dp(model, "bk", sample=SAMPLE, check=False)
+    assert _FLAGS_SEEN and set(_FLAGS_SEEN) == {(True, False)}
+    assert (torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark) == (False, True)
+
+
+def test_a_refusal_says_how_far_the_other_examples_moved():
+    model = nn.Sequential(nn.Conv2d(1, 4, 3), DetachedMean(), nn.Flatten(), nn.Linear(64, 3))
+    moved = r"output for one example changes.* by \d\.\de[+-]\d\d of its scale"
+    with pytest.raises(MixedExamplesError, match=moved):
+        wrap_for_dp(model, "bk", sample=SAMPLE, check=False)
+
+
 class Net(nn.Module):
     """A conv body with a norm and a linear head (what head tuning trains)."""
 

@@ -94,6 +94,27 @@ def full_fp32() -> Iterator[None]:
         torch.backends.cudnn.allow_tf32 = conv
 
 
+@contextmanager
+def deterministic_kernels() -> Iterator[None]:
+    """cuDNN's deterministic algorithms inside, the previous settings restored after.
+
+    A check that compares two runs of one shape bit for bit needs kernels whose sums keep one
+    order: cuDNN's fastest weight-gradient convolutions add with atomics, so two backward passes
+    of the same batch differ in the last bits (on the first H200, 2026-11-28, the independence
+    check refused GNResNet-10 for that alone). Autotuning is off inside, so the algorithm does
+    not depend on a timing either. The flags are process-wide and restored whatever happens.
+    """
+    deterministic = torch.backends.cudnn.deterministic
+    benchmark = torch.backends.cudnn.benchmark
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.deterministic = deterministic
+        torch.backends.cudnn.benchmark = benchmark
+
+
 def describe(device: torch.device) -> dict[str, Any]:
     """What metrics.json and MLflow record about where a job ran."""
     out: dict[str, Any] = {

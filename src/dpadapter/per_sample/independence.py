@@ -43,8 +43,9 @@ catches what that leaves. A module can still evade any behavioural check (mixing
 never tried, or on a later call); docs/privacy.md lists what the bound rests on.
 
 Outputs and gradients are compared to `TOLERANCE` of their largest magnitude: kernels are
-deterministic for a fixed shape on the CPU, an example whose output gradient is zero adds exact
-zeros to every sum, and mixing moves values by O(1).
+deterministic for a fixed shape (on the CPU; on CUDA inside `device.deterministic_kernels`, no
+TF32), an example whose output gradient is zero adds exact zeros to every sum, and mixing moves
+values by O(1). A refusal names the largest change it saw, in units of that magnitude.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
 
-from dpadapter.ground.device import full_fp32
+from dpadapter.ground.device import deterministic_kernels, full_fp32
 from dpadapter.models.batchnorm import FrozenBatchNorm
 from dpadapter.models.pinned import is_pinned, pin_eval, unpin, unpinned_type
 from dpadapter.per_sample.module_state import (
@@ -137,7 +138,12 @@ def make_independent(
     try:
         devices = [device] if device.type == "cuda" else []
         # a model already wrapped (the check at its first forward) records nothing meanwhile
-        with torch.random.fork_rng(devices=devices), full_fp32(), hooks_suspended(model):
+        with (
+            torch.random.fork_rng(devices=devices),
+            full_fp32(),
+            deterministic_kernels(),
+            hooks_suspended(model),
+        ):
             model.train(train)
             for k, n in enumerate(sizes):
                 # beyond the first size the whole model is checked first (a module mixing at
@@ -298,15 +304,16 @@ def _fault(m: nn.Module, call: tuple, n: int, train: bool, grads: bool) -> str |
             not same_values(v, got.state[k]) for k, v in base.state.items()
         ):
             return "it keeps tensors computed from its inputs (its state differs between calls)"
-        if _rows_moved(base.out, got.out, n, pos):
+        if moved := _rows_moved(base.out, got.out, n, pos):
             return (
                 f"its output for one example changes when another example of the batch "
-                f"changes (example {pos + 1} of {n})"
+                f"changes (example {pos + 1} of {n}; by {moved:.1e} of its scale)"
             )
-        if _grads_moved(base.grads.get(pos, []), got.grads.get(pos, []), n, pos):
+        if moved := _grads_moved(base.grads.get(pos, []), got.grads.get(pos, []), n, pos):
             return (
                 f"the gradients of the other examples change when example {pos + 1} of {n} "
-                "changes, its own output gradient zero (the backward pass mixes examples)"
+                f"changes, its own output gradient zero (the backward pass mixes examples; by "
+                f"{moved:.1e} of its scale)"
             )
     return None
 
@@ -368,36 +375,41 @@ def _zero_row_leaks(grads: list, pos: int) -> bool:
     return False
 
 
-def _rows_moved(a_tree: Any, b_tree: Any, n: int, pos: int) -> bool:
+def _rows_moved(a_tree: Any, b_tree: Any, n: int, pos: int) -> float:
+    """The first change past the tolerance in the other examples' rows (0.0: none)."""
     for a, b in zip(tree_leaves(a_tree), tree_leaves(b_tree), strict=False):
         if not (torch.is_tensor(a) and torch.is_tensor(b)) or a.shape != b.shape:
             continue
         if a.dim() == 0 or a.shape[0] != n or not a.is_floating_point():
             continue
         keep = torch.arange(n, device=a.device) != pos
-        if _moved(a[keep], b[keep]):
-            return True
-    return False
+        if moved := _moved(a[keep], b[keep]):
+            return moved
+    return 0.0
 
 
-def _grads_moved(a: list, b: list, n: int, pos: int) -> bool:
+def _grads_moved(a: list, b: list, n: int, pos: int) -> float:
+    """The first change past the tolerance in the other examples' gradients (0.0: none;
+    inf: a gradient appeared or vanished)."""
     for (kind, ga), (_, gb) in zip(a, b, strict=True):
         if ga is None or gb is None:
             if (ga is None) != (gb is None):
-                return True
+                return float("inf")
             continue
         if kind == "rows":
             keep = torch.arange(n, device=ga.device) != pos
             ga, gb = ga[keep], gb[keep]
-        if _moved(ga, gb):
-            return True
-    return False
+        if moved := _moved(ga, gb):
+            return moved
+    return 0.0
 
 
-def _moved(ref: torch.Tensor, got: torch.Tensor) -> bool:
+def _moved(ref: torch.Tensor, got: torch.Tensor) -> float:
+    """The largest change in units of the reference's scale, if past `TOLERANCE` (else 0.0)."""
     ref, got = ref.double(), got.double()
     scale = max(float(ref.abs().max()) if ref.numel() else 0.0, 1.0)
-    return not bool(((got - ref).abs() <= TOLERANCE * scale).all())
+    worst = float((got - ref).abs().max()) / scale if ref.numel() else 0.0
+    return 0.0 if worst <= TOLERANCE else worst  # NaN (not <=) counts as moved
 
 
 def _perturb(tree: Any, n: int, pos: int) -> tuple[Any, bool]:
