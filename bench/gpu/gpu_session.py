@@ -257,7 +257,7 @@ class Session:
         try:
             report = run_table2(
                 self.work / "table2", self.logs, self.clock, mode, self.device, self.dry,
-                parallel, self.cap("table2"), set(self.args.stall),
+                parallel, self.cap("table2"), set(self.args.stall), self.args.done,
             )  # fmt: skip
             finished = all(c["status"] == "passed" for c in report["cells"].values())
             status = "passed" if finished else "partial"
@@ -379,6 +379,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", nargs="+", help="these steps only (a rerun)")
     ap.add_argument("--cells", type=int, help="Table 2 cells side by side (a rerun without b)")
     ap.add_argument("--stall", nargs="*", help="Table 2 cells made to overrun (dry run)")
+    ap.add_argument(
+        "--done", type=Path, help="Table 2 cells finished in earlier loans (docs/gpu-runs/cells)"
+    )
     ap.add_argument("--work", type=Path, help="scratch folder (default /tmp/gpu-session-PID)")
     ap.add_argument("--versions", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -387,8 +390,11 @@ def main(argv: list[str] | None = None) -> int:
         args.versions.write_text(json.dumps(versions(), indent=2) + "\n")
         return 0
     args.deadline = args.deadline or (170.0 if args.dry_run else 480.0)
-    if args.stall is None:
-        args.stall = ["dpsat-eps3"] if args.dry_run else []  # one of the first pair: always starts
+    from gpu_session_table2 import DONE, key, queue
+
+    args.done = args.done or DONE
+    if args.stall is None:  # the second cell this call runs: one of the first pair, always started
+        args.stall = [key(*queue(args.done)[1])] if args.dry_run else []
     sys.path.insert(0, str(REPO / "tests"))
     s = Session(args)
     if not s.dry:

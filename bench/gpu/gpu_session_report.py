@@ -56,9 +56,12 @@ def _table2(t: dict | None) -> list[str]:
         return ["Not run."]
     if "error" in t:
         return [f"The step broke: `{t['error']}` (logs.txt)."]
+    before = t.get("done_before") or []
     lines = [
         f"Mode **{t.get('mode')}** ({t.get('mode_reason')}), {t.get('parallel')} cells side "
-        f"by side, seed 0, config `{t.get('config')}`.",
+        f"by side, config `{t.get('config')}`. Finished in earlier loans and skipped "
+        f"({len(before)}, `{t.get('done_from')}`): {', '.join(before) or 'none'}. "
+        f"Not started in this call: {t.get('not_started', 0)} (the next shown below).",
         "",
         t.get("table", ""),
     ]

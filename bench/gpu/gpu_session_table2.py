@@ -1,11 +1,15 @@
 """DP-SAT Table 2 cells inside the GPU session: pre-train once, cells side by side, one summary.
 
 The cells (Fashion-MNIST, GNResNet-10 from scratch, the paper's settings from
-configs/dpsat-table2.yaml, seed 0) run as the `finetune` stage's own processes, each into its
-own folder, concurrently on the one GPU as far as its memory allows. DP-SGD and DP-SAT at
-ε = 3 start first; the ε = 1 pair starts only when the time measured so far says it will finish
-before the deadline (a cell's duration grows with the cells sharing the GPU: the projection
-assumes the GPU is the bottleneck, so k cells side by side each take k times as long). A cell
+configs/dpsat-table2.yaml) run as the `finetune` stage's own processes, each into its own
+folder, concurrently on the one GPU as far as its memory allows. A loan is short, so the table
+is built over many: the cells finished in earlier loans are committed under `DONE`
+(docs/gpu-runs/cells/, by `bench/gpu/gpu_runs.py collect`) and skipped, and a call runs the next
+missing cells of `PLAN` (seed 0 of DP-SGD and DP-SAT at ε = 3 and 1 first, then their seeds 1
+and 2, then DP-SAM and ε = 2, then seeds 3 and 4). The first two start at once; each further
+cell starts only when the time measured so far says it will finish before the deadline (a
+cell's duration grows with the cells sharing the GPU: the projection assumes the GPU is the
+bottleneck, so k cells side by side each take k times as long). A cell
 still running at the deadline is stopped and reported unfinished with how far it got; it never
 appears as a result. `aggregate` and `reference` run once, over the finished cells.
 
@@ -29,8 +33,21 @@ from gpu_table2 import HEADER, cell_args, cell_line, paper_cell, pretrain_args, 
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "configs" / "dpsat-table2.yaml"
-CELLS = (("dpsgd", 3.0), ("dpsat", 3.0), ("dpsgd", 1.0), ("dpsat", 1.0))
-FIRST = 2  # the ε = 3 pair starts without a projection
+DONE = REPO / "docs" / "gpu-runs" / "cells" / CONFIG.stem  # cells finished in earlier loans
+_FIRST_FOUR = (("dpsgd", 3.0), ("dpsat", 3.0), ("dpsgd", 1.0), ("dpsat", 1.0))
+_ALL = tuple((a, e) for e in (3.0, 1.0, 2.0) for a in ("dpsgd", "dpsat", "dpsam"))
+# every cell of the table (algorithm, ε, seed), in the order loans run them: the issue's four at
+# seed 0, their seeds 1 and 2 (three seeds each: mean ± std), DP-SAM and ε = 2 at seeds 0-2,
+# then the paper's seeds 3 and 4 for all
+PLAN = tuple(
+    dict.fromkeys(
+        [(a, e, seed) for seed in (0, 1, 2) for a, e in _FIRST_FOUR]
+        + [(a, e, seed) for a, e in _ALL for seed in (0, 1, 2)]
+        + [(a, e, seed) for seed in (3, 4) for a, e in _ALL]
+    )
+)
+FIRST = 2  # the first two cells start without a projection
+NEXT_SHOWN = 4  # cells not started that the report names (the rest are counted)
 FALLBACK = "hooks"  # the mode a cell runs in after its self-test refused the session's mode
 REFUSED = "PerSampleCheckError"  # in a cell's log: the self-test refused the mode
 SUMMARY_S = 25.0  # kept for aggregate + reference at the end (dry run: DRY_SUMMARY_S)
@@ -45,8 +62,23 @@ DRY = {
 }
 
 
-def key(algo: str, eps: float) -> str:
-    return f"{algo}-eps{eps:g}"
+def key(algo: str, eps: float, seed: int) -> str:
+    return f"{algo}-eps{eps:g}-seed{seed}"
+
+
+def finished(done: Path) -> set[tuple[str, float, int]]:
+    """The cells with a committed result under `done` (<algo>/eps<e>/seed<s>/metrics.json)."""
+    out = set()
+    for m in done.glob("*/eps*/seed*/metrics.json"):
+        algo, eps, seed = m.parts[-4], m.parts[-3][3:], m.parts[-2][4:]
+        out.add((algo, float(eps), int(seed)))
+    return out
+
+
+def queue(done: Path) -> list[tuple[str, float, int]]:
+    """The cells this call runs, in order: the plan minus what earlier loans finished."""
+    have = finished(done)
+    return [c for c in PLAN if c not in have]
 
 
 def write_config(work: Path, mode: str, device: str, dry: bool, name: str = "table2") -> Path:
@@ -56,7 +88,7 @@ def write_config(work: Path, mode: str, device: str, dry: bool, name: str = "tab
         "results_dir": str(work / "results"),
         "device": device,
         "tracking": {"enabled": False},
-        "finetune": {"grad_sample_mode": mode, "seeds": [0]},
+        "finetune": {"grad_sample_mode": mode},
     }
     if dry:
         for section, values in DRY.items():
@@ -94,22 +126,23 @@ class Cells:
         self.modes: dict[str, str] = {}  # key -> the mode it runs (ran) in
         self.retry: dict[str, str] = {}  # key -> the fallback mode it is queued again in
         self.stall, self.parallel = stall, max(1, parallel)
-        self.pending = list(CELLS)
+        self.pending: list[tuple[str, float, int]] = list(PLAN)
+        self.cells: dict[str, tuple[str, float, int]] = {key(*c): c for c in PLAN}
         self.running: dict[str, tuple[Proc, int]] = {}  # key -> (process, cells beside it)
         self.outcomes: dict[str, Outcome] = {}
         self.alone_s: list[float] = []  # a cell's duration / the cells sharing the GPU
         self.last_est: float | None = None  # the last projection made while cells ran
 
-    def command(self, algo: str, eps: float, mode: str) -> tuple[Path, list[str]]:
-        cell, args = cell_args(self.cfg, "scratch", "fmnist", algo, eps, 0)
-        if key(algo, eps) in self.stall:  # the dry run's stand-in for a cell that overruns
+    def command(self, algo: str, eps: float, seed: int, mode: str) -> tuple[Path, list[str]]:
+        cell, args = cell_args(self.cfg, "scratch", "fmnist", algo, eps, seed)
+        if key(algo, eps, seed) in self.stall:  # the dry run's stand-in for a cell that overruns
             return cell, [sys.executable, "-c", "import time; print('stalled'); time.sleep(3600)"]
         return cell, stage_command(self.config_for(mode), *args)
 
-    def start(self, algo: str, eps: float) -> None:
-        k = key(algo, eps)
+    def start(self, algo: str, eps: float, seed: int) -> None:
+        k = key(algo, eps, seed)
         mode = self.modes[k] = self.retry.get(k, self.mode)
-        _, cmd = self.command(algo, eps, mode)
+        _, cmd = self.command(algo, eps, seed, mode)
         log = self.logs / (f"table2-{k}.log" if mode == self.mode else f"table2-{k}-{mode}.log")
         self.running[k] = (Proc(k, cmd, log, None, None), 0)
         n = len(self.running)
@@ -134,7 +167,7 @@ class Cells:
                 mode = self.modes.get(k, self.mode)
                 if outcome.status == "failed" and mode != FALLBACK and REFUSED in tail(p.log):
                     self.retry[k] = FALLBACK  # first in the queue: it started before the rest
-                    self.pending.insert(0, next(c for c in CELLS if key(*c) == k))
+                    self.pending.insert(0, self.cells[k])
                     continue
                 if mode != self.mode:
                     outcome.note = (
@@ -147,14 +180,14 @@ class Cells:
 
     def schedule(self, end: float) -> None:
         while self.pending and len(self.running) < self.parallel:
-            algo, eps = self.pending[0]
-            if len(self.outcomes) + len(self.running) >= FIRST and key(algo, eps) not in self.retry:
+            cell = self.pending[0]
+            if len(self.outcomes) + len(self.running) >= FIRST and key(*cell) not in self.retry:
                 est = self.projection()
                 self.last_est = est or self.last_est
                 if est is None or time.monotonic() + est > end:
                     return
             self.pending.pop(0)
-            self.start(algo, eps)
+            self.start(*cell)
 
     def stop_all(self, end_note: str) -> None:
         for k, (p, _) in self.running.items():
@@ -167,7 +200,7 @@ class Cells:
 
 def run_table2(
     work: Path, logs: Path, clock: Clock, mode: str, device: str, dry: bool,
-    parallel: int, cap_s: float, stall: set[str],
+    parallel: int, cap_s: float, stall: set[str], done: Path = DONE,
 ) -> dict:  # fmt: skip
     """Pre-train, the cells, the summary; returns what the session's report needs."""
     from dpadapter.validation.compose import load
@@ -184,11 +217,14 @@ def run_table2(
     summary_s = DRY_SUMMARY_S if dry else SUMMARY_S
     end = time.monotonic() + min(cap_s, clock.left()) - summary_s
     report: dict = {"config": str(config), "mode": mode, "parallel": parallel, "cells": {}}
+    report["done_before"] = sorted(key(*c) for c in finished(done))
+    report["done_from"] = str(done)
     ckpt, make = pretrain_args(cfg, "scratch")
     pre = run("table2-pretrain", stage_command(config, *make), logs / "table2-pretrain.log",
               clock, max(0.0, end - time.monotonic()))  # fmt: skip
     report["pretrain"] = vars(pre)
     cells = Cells(config, cfg, logs, stall, parallel, mode, config_for)
+    cells.pending = queue(done)
     if pre.status == "passed":
         while cells.pending or cells.running:
             cells.poll()
@@ -199,21 +235,22 @@ def run_table2(
             if not cells.running:
                 break  # what is pending cannot finish in time
             time.sleep(0.5)
-    for algo, eps in cells.pending:
+    report["not_started"] = len(cells.pending)
+    for c in cells.pending[:NEXT_SHOWN]:  # the plan is long: the next few only
         # the running cells are stopped by now: their last projection says why
         est = cells.projection() or cells.last_est
         why = "projected " + (f"{est:.0f} s" if est else "an unknown time")
-        cells.outcomes[key(algo, eps)] = Outcome(
-            key(algo, eps), "skipped",
+        cells.outcomes[key(*c)] = Outcome(
+            key(*c), "skipped",
             note=f"not started: {why}, {max(0.0, end - time.monotonic()):.0f} s left",
         )  # fmt: skip
     results = Path(cfg.results_dir)
-    done = sorted((results / "finetune").rglob("metrics.json"))
+    ran = sorted((results / "finetune").rglob("metrics.json"))
     lines = [HEADER]
-    for algo, eps in CELLS:
-        k = key(algo, eps)
-        cell, _ = cell_args(cfg, "scratch", "fmnist", algo, eps, 0)
-        o = cells.outcomes.get(k) or Outcome(k, "skipped", note="not started")
+    for algo, eps, seed in (c for c in PLAN if key(*c) in cells.outcomes):
+        k = key(algo, eps, seed)
+        cell, _ = cell_args(cfg, "scratch", "fmnist", algo, eps, seed)
+        o = cells.outcomes[k]
         entry = {**vars(o), "mode": cells.modes.get(k, mode)}
         metrics = cell / "metrics.json"
         if o.status == "passed" and metrics.is_file():
@@ -229,12 +266,12 @@ def run_table2(
             )
             lines.append(cell_line(m, paper))
         else:
-            lines.append(f"| {algo} | {eps:g} | 0 | {o.status}: {o.note} | | | | | | | |")
+            lines.append(f"| {algo} | {eps:g} | {seed} | {o.status}: {o.note} | | | | | | | |")
         report["cells"][k] = entry
     summary = results / "summary"
-    if done:
+    if ran:
         agg = stage_command(
-            config, "aggregate", "--metrics", *map(str, done),
+            config, "aggregate", "--metrics", *map(str, ran),
             "--pretrain", str(ckpt.parent / "metrics.json"),
             "--csv", str(summary / "finetune.csv"), "--md", str(summary / "finetune.md"),
         )  # fmt: skip

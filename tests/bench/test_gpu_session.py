@@ -28,9 +28,13 @@ def dry(tmp_path_factory):
     work = tmp_path_factory.mktemp("gpu-session-work")
     env = {**os.environ, "PYTHON": sys.executable}
     env.pop("MLFLOW_TRACKING_URI", None)
+    # a cell an earlier loan finished: the call must skip it and start with the next ones
+    done = tmp_path_factory.mktemp("gpu-runs-cells")
+    (done / "dpsgd" / "eps3" / "seed0").mkdir(parents=True)
+    (done / "dpsgd" / "eps3" / "seed0" / "metrics.json").write_text("{}")
     p = subprocess.run(
         ["bash", str(REPO / "bench/gpu/gpu_session.sh"), "--dry-run", str(out),
-         "--work", str(work)],
+         "--work", str(work), "--done", str(done)],
         capture_output=True, text=True, env=env, timeout=400,
     )  # fmt: skip
     return p, out, work
@@ -89,14 +93,37 @@ def test_steps_ran_without_mlflow_and_jobs_were_forked(dry):
 def test_a_cell_at_the_deadline_is_unfinished_never_a_result(dry):
     _, out, _ = dry
     t2 = json.loads((out / "session.json").read_text())["table2"]
-    stalled = t2["cells"]["dpsat-eps3"]
+    stalled = t2["cells"]["dpsgd-eps1-seed0"]  # the second cell run (the dry run stalls it)
     assert stalled["status"] == "cut" and "unfinished" in stalled["note"]
     assert "accuracy" not in stalled
     table = (out / "table2.md").read_text()
-    assert "| dpsat | 3 | 0 | cut: unfinished" in table
+    assert "| dpsgd | 1 | 0 | cut: unfinished" in table
     for k, c in t2["cells"].items():  # every finished cell carries its numbers
         if c["status"] == "passed":
-            assert 0 <= c["accuracy"] <= 100 and c["epsilon_spent"] <= float(k[-1]) + 1e-6
+            eps = float(k.split("-eps")[1].split("-")[0])
+            assert 0 <= c["accuracy"] <= 100 and c["epsilon_spent"] <= eps + 1e-6
+
+
+def test_a_second_call_runs_only_the_missing_cells(dry):
+    """The cells earlier loans finished (committed under docs/gpu-runs/cells) are skipped:
+    the call starts with the next missing cells of the plan, and says what it skipped."""
+    _, out, _ = dry
+    t2 = json.loads((out / "session.json").read_text())["table2"]
+    assert t2["done_before"] == ["dpsgd-eps3-seed0"]
+    assert "dpsgd-eps3-seed0" not in t2["cells"]
+    assert t2["cells"]["dpsat-eps3-seed0"]["status"] == "passed"
+    assert "Finished in earlier loans and skipped (1" in (out / "summary.md").read_text()
+
+
+def test_the_plan_runs_the_four_seed_0_cells_first_then_three_seeds_each():
+    t2 = import_bench("gpu_session_table2")
+    first = [("dpsgd", 3.0, 0), ("dpsat", 3.0, 0), ("dpsgd", 1.0, 0), ("dpsat", 1.0, 0)]
+    assert list(t2.PLAN[:4]) == first
+    assert {c[2] for c in t2.PLAN[4:12]} == {1, 2} and {c[:2] for c in t2.PLAN[4:12]} == {
+        c[:2] for c in first
+    }
+    # every cell of the table (3 algorithms x 3 epsilons x 5 seeds) once
+    assert len(t2.PLAN) == len(set(t2.PLAN)) == 45
 
 
 def test_a_cell_starts_only_when_its_projection_fits(tmp_path):
@@ -104,19 +131,19 @@ def test_a_cell_starts_only_when_its_projection_fits(tmp_path):
     GPU) ends before the deadline; otherwise it waits or is reported as not started."""
     import_bench("gpu_session_run")
     t2 = import_bench("gpu_session_table2")
-    cells = t2.Cells(None, None, tmp_path, stall={t2.key(a, e) for a, e in t2.CELLS}, parallel=4)
+    cells = t2.Cells(None, None, tmp_path, stall={t2.key(*c) for c in t2.PLAN}, parallel=4)
     sleep = [sys.executable, "-c", "import time; time.sleep(60)"]
-    cells.command = lambda a, e, m: (tmp_path, sleep)
-    cells.pending = list(t2.CELLS[2:])
-    cells.outcomes = {"dpsgd-eps3": None, "dpsat-eps3": None}
+    cells.command = lambda a, e, s, m: (tmp_path, sleep)
+    cells.pending = list(t2.PLAN[2:4])
+    cells.outcomes = {"dpsgd-eps3-seed0": None, "dpsat-eps3-seed0": None}
     cells.alone_s = [100.0]
     cells.schedule(time.monotonic() + 150)  # one alone: 100 s fits; a second beside it: 200
-    assert list(cells.running) == ["dpsgd-eps1"]
+    assert list(cells.running) == ["dpsgd-eps1-seed0"]
     assert cells.projection() == pytest.approx(200.0)
     cells.schedule(time.monotonic() + 150)
-    assert list(cells.running) == ["dpsgd-eps1"]
+    assert list(cells.running) == ["dpsgd-eps1-seed0"]
     cells.stop_all("test")
-    assert cells.outcomes["dpsgd-eps1"].status == "cut"
+    assert cells.outcomes["dpsgd-eps1-seed0"].status == "cut"
 
 
 def test_a_cell_whose_self_test_refuses_the_mode_runs_again_in_hooks(tmp_path):
@@ -128,7 +155,7 @@ def test_a_cell_whose_self_test_refuses_the_mode_runs_again_in_hooks(tmp_path):
     cells = t2.Cells(None, None, tmp_path, stall=set(), parallel=4, mode="bk")
     refuse = "import sys; print('PerSampleCheckError: sums differ'); sys.exit(1)"
 
-    def command(algo, eps, mode):
+    def command(algo, eps, seed, mode):
         if algo == "dpsgd" and mode == "bk":
             return tmp_path, [sys.executable, "-c", refuse]
         if algo == "dpsat":  # fails for another reason: no second try
@@ -136,14 +163,14 @@ def test_a_cell_whose_self_test_refuses_the_mode_runs_again_in_hooks(tmp_path):
         return tmp_path, [sys.executable, "-c", "pass"]
 
     cells.command = command
-    cells.pending = list(t2.CELLS[:2])
+    cells.pending = list(t2.PLAN[:2])
     end = time.monotonic() + 60
     while cells.pending or cells.running:
         cells.poll()
         cells.schedule(end)
         time.sleep(0.05)
-    assert cells.modes == {"dpsgd-eps3": "hooks", "dpsat-eps3": "bk"}
-    ok, bad = cells.outcomes["dpsgd-eps3"], cells.outcomes["dpsat-eps3"]
+    assert cells.modes == {"dpsgd-eps3-seed0": "hooks", "dpsat-eps3-seed0": "bk"}
+    ok, bad = cells.outcomes["dpsgd-eps3-seed0"], cells.outcomes["dpsat-eps3-seed0"]
     assert ok.status == "passed" and "in hooks: the self-test refused bk" in ok.note
-    assert ok.log.endswith("table2-dpsgd-eps3-hooks.log")
+    assert ok.log.endswith("table2-dpsgd-eps3-seed0-hooks.log")
     assert bad.status == "failed" and "hooks" not in bad.note
