@@ -16,8 +16,9 @@ The steps, in priority order (a step runs only if the time left allows it to sta
      preforked server: the forked jobs must have trained on CUDA (or the server refused them
      by name);
   b'. (after d) bk and the non-private step compiled (`finetune.compile`), eager bk beside them;
-  e. DP-SAT Table 2 cells (Fashion-MNIST, GNResNet-10 from scratch, the paper's settings) in
-     the fastest mode whose check passed in b (bench/gpu/gpu_session_table2.py).
+  e. DP-SAT Table 2 cells (Fashion-MNIST, GNResNet-10 from scratch, the paper's settings) that
+     no earlier loan finished (docs/gpu-runs/cells/), in the fastest mode whose check passed in
+     b (bench/gpu/gpu_session_table2.py).
 One deadline covers them all (default 480 s: 8 minutes of a 10-minute call); what is still
 running then is stopped and reported as cut, never as a result, and the files are written
 anyway. At most 8 files reach the output folder, none in a subfolder: summary.md (read it
