@@ -64,9 +64,13 @@ def _training_rate(log: str) -> tuple[str | None, float | None]:
 
 
 def _paper_setting(m: dict) -> str | None:
-    """Why a metrics.json is not a cell of the paper's setting (None: it is)."""
-    hp = m.get("hyperparameters", {})
-    want = {"epochs": 40, "n_train": 48000, "lr": 2.0, "max_grad_norm": 0.1}
+    """Why a metrics.json is not a cell of the config's (the paper's) setting (None: it is)."""
+    from dpadapter.validation.compose import load
+
+    cfg = load(CONFIG)
+    ft, hp = cfg.finetune, m.get("hyperparameters", {})
+    want = {"epochs": ft.epochs, "lr": ft.lr, "momentum": ft.momentum,
+            "max_grad_norm": ft.max_grad_norm, "n_train": cfg.tasks["fmnist"].n_train}  # fmt: skip
     off = {k: hp.get(k) for k, v in want.items() if hp.get(k) != v}
     if off:
         return f"not the paper's setting ({off})"
