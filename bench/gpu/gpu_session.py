@@ -395,7 +395,8 @@ def main(argv: list[str] | None = None) -> int:
 
     args.done = args.done or DONE
     if args.stall is None:  # the second cell this call runs: one of the first pair, always started
-        args.stall = [key(*queue(args.done)[1])] if args.dry_run else []
+        missing = queue(args.done)
+        args.stall = [key(*missing[1])] if args.dry_run and len(missing) > 1 else []
     sys.path.insert(0, str(REPO / "tests"))
     s = Session(args)
     if not s.dry:
