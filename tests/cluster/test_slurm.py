@@ -208,8 +208,10 @@ def _minutes(limit: str) -> int:
 
 
 def test_profile_runs_the_pipeline_through_sbatch(slurm_cluster, tiny_raw, tmp_path, _fork_servers):
-    # Two upstream methods (one needs the warm-up), one task, one epsilon: 6 jobs, all rules.
+    # The upstream method that needs the warm-up, one task, one epsilon: 4 jobs, every rule of
+    # the summary table (the scratch pre-training goes through sbatch in the test below).
     raw = tiny_raw
+    raw["pretrain"]["methods"] = ["standard"]
     raw["tasks"] = {"syn-shift": raw["tasks"]["syn-shift"]}
     raw["finetune"]["epsilons"] = [4]
     raw["finetune"]["epochs"] = 1
@@ -243,10 +245,8 @@ def test_profile_runs_the_pipeline_through_sbatch(slurm_cluster, tiny_raw, tmp_p
     comments = {j["Comment"] for j in jobs.values()}
     assert comments == {
         "rule_warmup",
-        "rule_pretrain_wildcards_scratch",
         "rule_pretrain_wildcards_standard",
-        # the profile's groups: the fine-tuning jobs of one upstream model, one allocation
-        "rule_finetune-scratch_finetune",
+        # the profile's group: the fine-tuning jobs of one upstream model, one allocation
         "rule_finetune-standard_finetune",
         "rule_aggregate",
     }
@@ -275,7 +275,6 @@ def test_profile_runs_the_pipeline_through_sbatch(slurm_cluster, tiny_raw, tmp_p
     # The results are those of the pipeline: the summary table, one MLflow run per job ...
     rows = list(csv.DictReader(open(wd / "results" / "summary" / "finetune.csv")))
     assert {(row["upstream"], row["task"], row["epsilon"]) for row in rows} == {
-        ("scratch", "syn-shift", "4"),
         ("standard", "syn-shift", "4"),
     }
     import mlflow
@@ -283,7 +282,7 @@ def test_profile_runs_the_pipeline_through_sbatch(slurm_cluster, tiny_raw, tmp_p
     mlflow.set_tracking_uri(f"sqlite:///{wd / 'mlruns.db'}")
     runs = mlflow.search_runs(experiment_names=[raw["tracking"]["experiment"]])
     jobs = runs["tags.stage"].dropna()  # not the stages' group runs
-    assert sorted(jobs) == ["finetune", "finetune", "pretrain", "pretrain", "warmup"]
+    assert sorted(jobs) == ["finetune", "pretrain", "warmup"]
     assert set(runs["status"]) == {"FINISHED"}
 
     # ... and the same numbers a local run of a job computes from the same checkpoint.
