@@ -1,5 +1,8 @@
 """MLflow under load: 8 jobs (processes) start at the same instant against one fresh sqlite store.
 
+The 8 are forked from one process that imported MLflow, as the pipeline forks its jobs from a
+fork server; each opens the store itself, after the fork.
+
 They race on creating the schema, the experiment and their runs; dpadapter.tracking must make
 all 8 land, with every metric. The store is then served over HTTP on 127.0.0.1 only, read back
 through the REST API, and the runs page is rendered by headless Chromium (DOM and screenshot).
@@ -35,37 +38,36 @@ WORKER = Path(__file__).with_name("mlflow_worker.py")
 
 def _race(wd: Path, n_jobs: int, *extra: str) -> Path:
     """n_jobs workers released at one instant against one fresh sqlite store in wd; asserts
-    they all succeeded."""
+    they all succeeded. They are processes forked from one that imported MLflow once, as the
+    pipeline's jobs are forked from its fork server (`dpadapter.launch.prefork`)."""
     db = wd / "mlruns.db"
     env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{db}"}
     barrier = wd / "barrier"
     barrier.mkdir()
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(WORKER), EXPERIMENT, str(i), str(barrier), str(STEPS), *extra],
-            cwd=wd,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for i in range(n_jobs)
-    ]
-    # Release all workers at once, after each has paid its (seconds-long) import cost.
+    launcher = subprocess.Popen(
+        [sys.executable, str(WORKER), str(n_jobs), EXPERIMENT, str(barrier), str(STEPS), *extra],
+        cwd=wd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    # Release all workers at once, once each is forked and waiting.
     ready = lambda: sum((barrier / f"ready-{i}").exists() for i in range(n_jobs)) == n_jobs  # noqa: E731
     try:
-        wait_until(
-            lambda: ready() or any(p.poll() is not None for p in procs), 300, "workers ready"
-        )
+        wait_until(lambda: ready() or launcher.poll() is not None, 300, "workers ready")
     finally:
         (barrier / "go").touch()
-    outputs = [p.communicate(timeout=300)[0] for p in procs]
+    out = launcher.communicate(timeout=300)[0]
+    status = dict(re.findall(r"^worker (\d+) rc (-?\d+)$", out, re.M))
+    assert sorted(map(int, status)) == list(range(n_jobs)), out[-3000:]
     failed = [
-        (i, out[-2000:])
-        for i, (p, out) in enumerate(zip(procs, outputs, strict=True))
-        if p.returncode
+        (i, (barrier / f"out-{i}.txt").read_text()[-2000:])
+        for i in range(n_jobs)
+        if status[str(i)] != "0"
     ]
     assert not failed, f"{len(failed)} of {n_jobs} jobs failed; first: {failed[0]}"
+    assert launcher.returncode == 0, out[-3000:]
     return db
 
 
