@@ -11,7 +11,9 @@ A loan gives minutes, a cell of Table 2 takes several, so the table is built loa
 checkpoint) into docs/gpu-runs/cells/<config>/<algo>/eps<e>/seed<s>/ with `run.json` (card,
 date, loan, the commit that ran, s/step); the next call's session reads that folder and skips
 those cells (`gpu_session_table2.queue`). A cell is collected once: a second copy of the same
-cell, or anything from a dry run or another config, is refused rather than merged.
+cell, anything from a dry run or another config, and a cell whose recorded epsilon is not the
+accountant's over its recorded releases refuse the whole call, before any cell is written.
+The table's epsilons are the accountant's, computed again from each cell's releases.
 
 `table` renders the paper beside ours with the pipeline's own `aggregate.rows_of` and
 `reference.compare` (mean ± std over the seeds finished), then every cell with its card and
@@ -29,16 +31,14 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_session_table2 import CONFIG, DONE, PLAN  # noqa: E402
+from gpu_session_table2 import CONFIG, DONE, PLAN, PROGRESS, collected  # noqa: E402
 
 MARK = "gpu-table2"  # <!-- gpu-table2:begin --> ... <!-- gpu-table2:end -->
 DOCS = (REPO / "README.md", REPO / "docs" / "gpu.md")
 CELL = re.compile(
     r"table2/results/finetune/scratch/fmnist/(\w+)/eps([\d.]+)/seed(\d+)/metrics\.json$"
 )
-STAMP = re.compile(
-    r"^(\d{4}-\d\d-\d\d) \d\d:\d\d:\d\d .*step (\d+)/(\d+).*elapsed (\d+):(\d\d):(\d\d)"
-)
+DATE = re.compile(r"^\d{4}-\d\d-\d\d\b")  # a progress line's date, as the job logs it
 LOG_TAIL = 8000  # characters of a cell's log kept beside its metrics
 
 
@@ -54,20 +54,29 @@ def _log_of(tar: tarfile.TarFile, algo: str, eps: str, seed: str) -> str:
 
 
 def _training_rate(log: str) -> tuple[str | None, float | None]:
-    """(date of the last progress line, seconds per DP step from its elapsed time)."""
-    hits = [STAMP.match(line) for line in log.splitlines()]
-    hits = [h for h in hits if h]
-    if not hits:
+    """(date of the last progress line, seconds per DP step from its elapsed time): the line
+    the session's projection reads too (`PROGRESS`)."""
+    lines = [line for line in log.splitlines() if PROGRESS.search(line)]
+    if not lines:
         return None, None
-    date, done, _, h, m, s = hits[-1].groups()
-    return date, (3600 * int(h) + 60 * int(m) + int(s)) / max(int(done), 1)
+    done, _, h, m, s, *_ = map(int, PROGRESS.search(lines[-1]).groups())
+    date = DATE.match(lines[-1])
+    return date and date.group(0), (3600 * h + 60 * m + s) / max(done, 1)
 
 
-def _paper_setting(m: dict) -> str | None:
-    """Why a metrics.json is not a cell of the config's (the paper's) setting (None: it is)."""
-    from dpadapter.validation.compose import load
+def _epsilon(m: dict) -> float:
+    """The accountant's epsilon over the releases the cell recorded (its `privacy.history`),
+    computed now: the table never prints a number only read back from a file."""
+    from dpadapter.privacy import epsilon_from_history
+    from dpadapter.privacy.accounting import Segment
 
-    cfg = load(CONFIG)
+    p = m["privacy"]
+    history = [Segment(**s) for s in p["history"]]
+    return epsilon_from_history(history, p["delta"], p["accountant"])
+
+
+def _refused(m: dict, cfg) -> str | None:
+    """Why a metrics.json is not a result of the config's (the paper's) setting (None: it is)."""
     ft, hp = cfg.finetune, m.get("hyperparameters", {})
     want = {"epochs": ft.epochs, "lr": ft.lr, "momentum": ft.momentum,
             "max_grad_norm": ft.max_grad_norm, "n_train": cfg.tasks["fmnist"].n_train}  # fmt: skip
@@ -76,16 +85,25 @@ def _paper_setting(m: dict) -> str | None:
         return f"not the paper's setting ({off})"
     if m.get("device", {}).get("device") != "cuda":
         return "not run on a GPU"
+    p, eps = m["privacy"], _epsilon(m)
+    if not (eps <= p["target_epsilon"] and abs(eps - p["epsilon"]) <= 1e-9 * max(eps, 1.0)):
+        return (
+            f"its recorded epsilon {p['epsilon']!r} is not the accountant's {eps!r} over its "
+            f"recorded releases, within the target {p['target_epsilon']!r}"
+        )
     return None
 
 
 def collect(out: Path, loan: str, commit: str, done: Path = DONE) -> list[Path]:
-    """Copy each finished cell of the call whose files are in `out` into `done`."""
+    """Copy each finished cell of the call whose files are in `out` into `done`. Every cell is
+    checked before any is written; a cell's metrics.json is written last (`collected`)."""
+    from dpadapter.validation.compose import load
+
     session = json.loads((out / "session.json").read_text())
     if session.get("dry_run"):
         raise SystemExit(f"{out}: a dry run's cells are not results")
-    card = (session.get("versions") or {}).get("card")
-    written = []
+    card, cfg = (session.get("versions") or {}).get("card"), load(CONFIG)
+    cells = []
     with tarfile.open(out / "artifacts.tar.gz") as tar:
         for member in tar.getmembers():
             hit = CELL.search(member.name)
@@ -93,42 +111,41 @@ def collect(out: Path, loan: str, commit: str, done: Path = DONE) -> list[Path]:
                 continue
             algo, eps, seed = hit.groups()
             m = json.loads(tar.extractfile(member).read())
-            if why := _paper_setting(m):
+            if why := _refused(m, cfg):
                 raise SystemExit(f"{member.name}: {why}")
             dest = done / algo / f"eps{float(eps):g}" / f"seed{int(seed)}"
             if (dest / "metrics.json").exists():
                 raise SystemExit(f"{dest} exists: a cell is collected once")
-            log = _log_of(tar, algo, eps, seed)
-            date, rate = _training_rate(log)
-            run = {
-                "card": card or m["device"].get("device_name"),
-                "date": date,
-                "loan": loan,
-                "commit": commit,
-                "command": " ".join(session.get("options") or []),
-                "mode": m["hyperparameters"].get("grad_sample_mode_run"),
-                "s_per_step": None if rate is None else round(rate, 4),
-                "wall_s": m.get("wall_time_s"),
-                "peak_gpu_mib": m["device"].get("peak_memory_mib"),
-                "torch": m["device"].get("torch"),
-            }
-            dest.mkdir(parents=True)
-            (dest / "metrics.json").write_text(json.dumps(m, indent=2) + "\n")
-            (dest / "finetune.log").write_text(log[-LOG_TAIL:])
-            (dest / "run.json").write_text(json.dumps(run, indent=2) + "\n")
-            written.append(dest)
-    return written
+            cells.append((dest, m, _log_of(tar, algo, eps, seed)))
+    for dest, m, log in cells:
+        date, rate = _training_rate(log)
+        run = {
+            "card": card or m["device"].get("device_name"),
+            "date": date,
+            "loan": loan,
+            "commit": commit,
+            "command": " ".join(session.get("options") or []),
+            "mode": m["hyperparameters"].get("grad_sample_mode_run"),
+            "s_per_step": None if rate is None else round(rate, 4),
+            "wall_s": m.get("wall_time_s"),
+            "peak_gpu_mib": m["device"].get("peak_memory_mib"),
+            "torch": m["device"].get("torch"),
+        }
+        dest.mkdir(parents=True, exist_ok=True)
+        (dest / "finetune.log").write_text(log[-LOG_TAIL:])
+        (dest / "run.json").write_text(json.dumps(run, indent=2) + "\n")
+        (dest / "metrics.json").write_text(json.dumps(m, indent=2) + "\n")
+    return [dest for dest, _, _ in cells]
 
 
 def _cells(done: Path) -> list[tuple[dict, dict]]:
     """(metrics, run) of every collected cell, in the plan's order."""
     order = {c: i for i, c in enumerate(PLAN)}
-    out = []
-    for path in done.glob("*/eps*/seed*/metrics.json"):
-        algo, eps, seed = path.parts[-4], float(path.parts[-3][3:]), int(path.parts[-2][4:])
-        run = json.loads((path.parent / "run.json").read_text())
-        out.append((order.get((algo, eps, seed), len(order)), json.loads(path.read_text()), run))
-    return [(m, r) for _, m, r in sorted(out, key=lambda t: t[0])]
+    cells = sorted(collected(done).items(), key=lambda kv: order.get(kv[0], len(order)))
+    return [
+        (json.loads(path.read_text()), json.loads((path.parent / "run.json").read_text()))
+        for _, path in cells
+    ]
 
 
 def render(done: Path = DONE) -> str:
@@ -168,7 +185,7 @@ def render(done: Path = DONE) -> str:
         mem = "–" if r.get("peak_gpu_mib") is None else f"{r['peak_gpu_mib']:.0f}"
         lines.append(
             f"| {w['algo']} | {w['eps']} | {w['seed']} | {ours:.2f} | {beside} | "
-            f"{m['privacy']['epsilon']:.3f} | {m['privacy']['steps']} | {rate} | {mem} | "
+            f"{_epsilon(m):.3f} | {m['privacy']['steps']} | {rate} | {mem} | "
             f"{r.get('mode')} | {r.get('card')} | {r.get('date')} | {r.get('commit')} |"
         )
     return "\n".join(lines) + "\n"

@@ -66,13 +66,18 @@ def key(algo: str, eps: float, seed: int) -> str:
     return f"{algo}-eps{eps:g}-seed{seed}"
 
 
+def collected(done: Path) -> dict[tuple[str, float, int], Path]:
+    """Each cell with a committed result under `done`, and its
+    <algo>/eps<e>/seed<s>/metrics.json (written last: its folder's marker of a finished cell)."""
+    return {
+        (m.parts[-4], float(m.parts[-3][3:]), int(m.parts[-2][4:])): m
+        for m in done.glob("*/eps*/seed*/metrics.json")
+    }
+
+
 def finished(done: Path) -> set[tuple[str, float, int]]:
-    """The cells with a committed result under `done` (<algo>/eps<e>/seed<s>/metrics.json)."""
-    out = set()
-    for m in done.glob("*/eps*/seed*/metrics.json"):
-        algo, eps, seed = m.parts[-4], m.parts[-3][3:], m.parts[-2][4:]
-        out.add((algo, float(eps), int(seed)))
-    return out
+    """The cells with a committed result under `done`."""
+    return set(collected(done))
 
 
 def queue(done: Path) -> list[tuple[str, float, int]]:

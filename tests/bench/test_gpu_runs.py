@@ -23,8 +23,9 @@ LOG = (
 )
 
 
-def _call(tmp: Path, *, dry: bool = False, epochs: int = 40) -> Path:
-    """A call's files as they come back: session.json and artifacts.tar.gz with one cell."""
+def _call(tmp: Path, *, dry: bool = False, epochs: int = 40, epsilon: float | None = None) -> Path:
+    """A call's files as they come back: session.json and artifacts.tar.gz with one cell
+    (DP-SGD at ε = 1, seed 0; with `epsilon`, a second one, DP-SAT, that records it)."""
     out = tmp / "out"
     out.mkdir()
     m = json.loads((FINISHED / "metrics.json").read_text())
@@ -32,11 +33,17 @@ def _call(tmp: Path, *, dry: bool = False, epochs: int = 40) -> Path:
     m["hyperparameters"]["epochs"] = epochs
     session = {"dry_run": dry, "options": ["--only", "table2"], "versions": {"card": "Card X"}}
     (out / "session.json").write_text(json.dumps(session))
+    files = [
+        ("table2/results/finetune/scratch/fmnist/dpsgd/eps1/seed0/metrics.json", json.dumps(m)),
+        ("logs/table2-dpsgd-eps1-seed0.log", LOG),
+    ]
+    if epsilon is not None:
+        edited = json.loads(json.dumps(m))
+        edited["privacy"]["epsilon"] = epsilon
+        path = "table2/results/finetune/scratch/fmnist/dpsat/eps3/seed1/metrics.json"
+        files.append((path, json.dumps(edited)))
     with tarfile.open(out / "artifacts.tar.gz", "w:gz") as tar:
-        for name, text in (
-            ("table2/results/finetune/scratch/fmnist/dpsgd/eps1/seed0/metrics.json", json.dumps(m)),
-            ("logs/table2-dpsgd-eps1-seed0.log", LOG),
-        ):
+        for name, text in files:
             data = text.encode()
             info = tarfile.TarInfo(name)
             info.size = len(data)
@@ -73,6 +80,17 @@ def test_a_dry_run_or_another_setting_is_not_collected(tmp_path, what, why):
     with pytest.raises(SystemExit, match=why):
         runs.collect(out, "loan", "abc", tmp_path / "cells")
     assert not (tmp_path / "cells").exists()
+
+
+def test_an_epsilon_that_is_not_the_accountants_refuses_the_whole_call(tmp_path):
+    """A recorded epsilon is checked against the accountant over the cell's recorded releases;
+    one edited cell refuses the call before any cell of it is written."""
+    runs = import_bench("gpu_runs")
+    recorded = json.loads((FINISHED / "metrics.json").read_text())["privacy"]["epsilon"]
+    out = _call(tmp_path, epsilon=recorded - 0.5)
+    with pytest.raises(SystemExit, match="not the accountant's"):
+        runs.collect(out, "loan", "abc", tmp_path / "cells")
+    assert not list((tmp_path / "cells").rglob("*.json"))
 
 
 def test_the_tables_in_the_readme_and_gpu_doc_are_those_of_the_collected_cells():
