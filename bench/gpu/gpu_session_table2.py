@@ -122,7 +122,7 @@ class Cells:
 
     def __init__(
         self, config: Path, cfg, logs: Path, stall: set[str], parallel: int,
-        mode: str = "bk", config_for=None,
+        mode: str = "bk", config_for=None, pending: list | None = None,
     ):  # fmt: skip
         self.config, self.cfg, self.logs = config, cfg, logs
         self.mode = mode
@@ -131,7 +131,8 @@ class Cells:
         self.modes: dict[str, str] = {}  # key -> the mode it runs (ran) in
         self.retry: dict[str, str] = {}  # key -> the fallback mode it is queued again in
         self.stall, self.parallel = stall, max(1, parallel)
-        self.pending: list[tuple[str, float, int]] = list(PLAN)
+        # what this call runs, in order (`queue`: the plan less the cells already collected)
+        self.pending: list[tuple[str, float, int]] = list(PLAN if pending is None else pending)
         self.cells: dict[str, tuple[str, float, int]] = {key(*c): c for c in PLAN}
         self.running: dict[str, tuple[Proc, int]] = {}  # key -> (process, cells beside it)
         self.outcomes: dict[str, Outcome] = {}
@@ -228,8 +229,7 @@ def run_table2(
     pre = run("table2-pretrain", stage_command(config, *make), logs / "table2-pretrain.log",
               clock, max(0.0, end - time.monotonic()))  # fmt: skip
     report["pretrain"] = vars(pre)
-    cells = Cells(config, cfg, logs, stall, parallel, mode, config_for)
-    cells.pending = queue(done)
+    cells = Cells(config, cfg, logs, stall, parallel, mode, config_for, queue(done))
     if pre.status == "passed":
         while cells.pending or cells.running:
             cells.poll()
