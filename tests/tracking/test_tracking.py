@@ -284,6 +284,29 @@ def test_killed_jobs_never_leave_a_run_running(tmp_path):
         proc.wait(timeout=60)
 
 
+def test_a_run_that_ended_while_dead_runs_were_sought_keeps_its_status(tmp_path, monkeypatch):
+    """A job that ends its run and exits between another job's search for RUNNING runs and its
+    check of their processes looks gone; its FINISHED run must not become KILLED (seen with 8
+    jobs starting at once, tests/cluster/test_mlflow_load.py)."""
+    from dpadapter.tracking import lifecycle
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlruns.db'}")
+    client = _client(tmp_path)
+    exp = client.create_experiment("race")
+    tags = {tracking.HOST_TAG: socket.gethostname(), tracking.PID_TAG: "999999999:1"}
+    done, dead = (client.create_run(exp, tags=tags).info.run_id for _ in range(2))
+    real = lifecycle._process_gone
+
+    def job_ends_meanwhile(process):
+        client.set_terminated(done, status="FINISHED")  # the job's own end, then its exit
+        return real(process)
+
+    monkeypatch.setattr(lifecycle, "_process_gone", job_ends_meanwhile)
+    assert tracking.end_dead_runs(exp) == [dead]
+    assert client.get_run(done).info.status == "FINISHED"
+    assert client.get_run(dead).info.status == "KILLED"
+
+
 def test_make_mlflow_ends_the_runs_of_killed_jobs(tmp_path, monkeypatch, tiny_raw):
     """No later run needed: opening the UI (`make mlflow`, tracking.main) ends them too."""
     import yaml

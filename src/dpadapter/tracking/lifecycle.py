@@ -95,7 +95,12 @@ def end_dead_runs(experiment_id: str) -> list[str]:
     )
     ended = []
     for r in running:
+        # The search is older than the check: a job that ended its run (FINISHED, FAILED) and
+        # exited in between looks gone too. A job ends its run before its process exits, so a
+        # status read after the process was seen gone is the last word: still RUNNING, killed.
         if _process_gone(r.data.tags.get(PID_TAG)):
+            if client.get_run(r.info.run_id).info.status != "RUNNING":
+                continue
             client.set_tag(r.info.run_id, "dpadapter.ended_by", "its process was gone (killed)")
             client.set_terminated(r.info.run_id, status="KILLED")
             ended.append(r.info.run_id)
