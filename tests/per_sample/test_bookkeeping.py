@@ -393,8 +393,30 @@ def test_where_launches_dominate_a_kept_conv_skips_the_ghost_paths_kernels():
         return rec.strategy, id(conv.weight) in rec.kept
 
     assert plan(None) == plan(False) == ("ghost", False)  # on the CPU: by the device
-    assert plan(True) == ("per-example", True)
+    assert plan(True) == ("per-example-im2col", True)
     assert plan(True, keep=4 * 128 * 256 - 1) == ("ghost", False)
+
+
+def test_where_launches_dominate_no_per_example_gradient_comes_from_the_grouped_kernel(
+    monkeypatch,
+):
+    """cuDNN runs the grouped weight-gradient kernel group by group, one group per example
+    (`conv.per_example_grouped`): a GPU's bk takes per-example conv gradients from im2col,
+    the CPU's still from the grouped kernel where it is faster there."""
+    calls: list = []
+    grouped = conv_mod.per_example_grouped
+    monkeypatch.setattr(
+        conv_mod, "per_example_grouped", lambda *a: calls.append(a[0]) or grouped(*a)
+    )
+    model, shape, classes = CASES["odd-convs"]()
+    model = model.double()
+    x, y = _data(shape, classes)
+    ref, c = reference(copy.deepcopy(model), x, y, None)
+    for launch_bound in (False, True):
+        calls.clear()
+        got = bk_sum(copy.deepcopy(model), x, y, c, launch_bound, strategy="per-example")
+        assert float((got - ref).norm() / ref.norm()) < 1e-9
+        assert bool(calls) is not launch_bound, (launch_bound, calls)
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "channels-last"])

@@ -8,7 +8,8 @@ ms, grouped vs im2col + bmm, batch 256 unless said): 3->16 at 32x32 (ResNet20's 
 3.5; 1->8, batch 200 (the embedded CNN's) 1.28 vs 0.62; but 8->16 at 14x14 0.68 vs 1.43 and
 depthwise 32 groups at 28x28 4.4 vs 34.4. The grouped kernel runs far below its FLOP rate when
 a group has few input channels; bmm does when the matrices are tiny (one output channel per
-group). Hence `IM2COL_MAX_IN_CHANNELS`. The rule that picks a kernel is in `rules`.
+group). Hence `IM2COL_MAX_IN_CHANNELS`, on the CPU; on a GPU im2col always
+(`per_example_grouped`). The rule that picks a kernel is in `rules`.
 """
 
 from __future__ import annotations
@@ -28,7 +29,14 @@ IM2COL_MAX_IN_CHANNELS = 4
 def per_example_grouped(
     module: nn.Conv2d, a: torch.Tensor, g: torch.Tensor, w: torch.Tensor
 ) -> torch.Tensor:
-    """(n, *w.shape): examples as groups, one grouped weight-gradient kernel for all of them."""
+    """(n, *w.shape): examples as groups, one grouped weight-gradient kernel for all of them.
+
+    One call, but not one kernel on a GPU: on an H200 (2026-11-28, docs/gpu.md "the third
+    loan") the modes that take per-example convolution gradients through this kernel launched
+    thousands of kernels per GNResNet-10 step at batch 512 (functorch 7,983, Opacus' ew 6,592,
+    bk with 6 of its convolutions here 8,518) where hooks' im2col and matrix products launched
+    610, as cuDNN runs a grouped weight gradient group by group when no kernel of its own takes
+    them all. So only the CPU uses it (`rules.conv_weight_norms_sq`)."""
     n, c_in = a.shape[:2]
     c_out = g.shape[1]
     grads = weight_grad(

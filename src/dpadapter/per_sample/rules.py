@@ -179,6 +179,8 @@ def conv_weight_norms_sq(
     one more weight-gradient kernel (T d p) and six more launches per layer, whereas per-example
     gradients small enough to keep (`Settings.keep`) need none of their own, their norm and sum
     coming from the arena's two (2 d p): ghost when T^2 (d + p) + T d p < 1.5 T d p + 2 d p.
+    There the per-example gradients come from im2col and one batched product, never the grouped
+    kernel, which cuDNN runs group by group (`conv.per_example_grouped`).
     Not on the CPU: there it moved ResNet20-GN's 8x8 convolutions to the slow grouped kernel
     and its bk step from ~190 to ~245 ms (batch 64, docs/speed.md).
     """
@@ -193,7 +195,9 @@ def conv_weight_norms_sq(
         if launch_bound:  # patches from one kernel (`conv.columns`), (n, d, T) transposed
             return ghost_norm(conv.columns(module, a).transpose(1, 2), g3, s)
         return ghost_norm(conv.patches(module, a, s.workspace), g3, s)
-    if module.groups == 1 and c_in <= conv.IM2COL_MAX_IN_CHANNELS:
+    if launch_bound or (module.groups == 1 and c_in <= conv.IM2COL_MAX_IN_CHANNELS):
+        # where launches dominate, never the grouped kernel (`conv.per_example_grouped`'s
+        # docstring: cuDNN runs it group by group, one group per example)
         rec.strategy = "per-example-im2col"
         grads = conv.per_example_im2col(module, a, g, s.workspace, one_kernel=launch_bound)
     else:
