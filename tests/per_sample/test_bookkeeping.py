@@ -143,10 +143,11 @@ CONVS = {  # (in, out, kernel, stride, padding, dilation, groups)
 }
 
 
-@pytest.mark.parametrize("kernel", ["im2col", "im2col-one-kernel", "grouped"])
+@pytest.mark.parametrize("kernel", ["im2col", "im2col-one-kernel", "im2col-chunks", "grouped"])
 @pytest.mark.parametrize("conv", sorted(CONVS))
-def test_per_example_conv_gradients_match_autograd(conv, kernel):
-    """Both per-example kernels against one autograd weight gradient per example."""
+def test_per_example_conv_gradients_match_autograd(conv, kernel, monkeypatch):
+    """Both per-example kernels against one autograd weight gradient per example;
+    "-chunks": the one-kernel patches of two examples at a time (`conv.PATCH_ELEMENTS`)."""
     c_in, c_out, k, stride, pad, dil, groups = CONVS[conv]
     torch.manual_seed(0)
     m = nn.Conv2d(c_in, c_out, k, stride, pad, dil, groups, bias=False).double()
@@ -156,11 +157,14 @@ def test_per_example_conv_gradients_match_autograd(conv, kernel):
     want = torch.stack(
         [torch.autograd.grad(m(a[i : i + 1]), m.weight, g[i : i + 1])[0] for i in range(5)]
     )
+    if kernel == "im2col-chunks":  # one example's patches: c_in * kh * kw * output positions
+        per_example = c_in * m.weight[0, 0].numel() * out[0, 0].numel()
+        monkeypatch.setattr(conv_mod, "PATCH_ELEMENTS", 2 * per_example)
     workspace: dict = {}
     # Full batch, a smaller one (a prefix of the kept buffer), the full one again (reused).
     for rows in (slice(0, 5), slice(1, 3), slice(0, 5)):
         if kernel.startswith("im2col"):
-            one = kernel == "im2col-one-kernel"
+            one = kernel != "im2col"
             got = per_example_im2col(m, a[rows], g[rows], workspace, one_kernel=one)
         else:
             got = per_example_grouped(m, a[rows], g[rows], m.weight)

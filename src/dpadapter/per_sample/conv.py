@@ -24,6 +24,10 @@ from dpadapter.per_sample.buffers import Workspace, buffer
 # im2col + a batched matrix product, of any other conv from the grouped weight-gradient kernel
 # (module docstring: the measurements).
 IM2COL_MAX_IN_CHANNELS = 4
+# One im2col kernel's patches hold at most this many elements (1 GiB in float32): a larger batch
+# goes in chunks of examples, a few kernels each (GNResNet-10's 64-channel 28x28 convolutions
+# at a physical batch of 1152: 520 million elements, two chunks).
+PATCH_ELEMENTS = 1 << 28
 
 
 def per_example_grouped(
@@ -70,13 +74,30 @@ def per_example_im2col(
     groups = module.groups
     d = c_in // groups * kh * kw
     if one_kernel:
-        patches = columns(module, a).view(n * groups, d, ho * wo)
+        out = _im2col_chunks(module, a, g, d)
     else:
         buf = buffer(workspace, "im2col", (n, c_in, kh, kw, ho, wo), a)
         buf.copy_(_windows(module, padded(module, a, workspace)).permute(0, 1, 4, 5, 2, 3))
         patches = buf.view(n * groups, d, ho * wo)
-    out = torch.bmm(g.reshape(n * groups, c_out // groups, ho * wo), patches.transpose(1, 2))
+        out = torch.bmm(g.reshape(n * groups, c_out // groups, ho * wo), patches.transpose(1, 2))
     return out.reshape(n, c_out, c_in // groups, kh, kw)
+
+
+def _im2col_chunks(module: nn.Conv2d, a: torch.Tensor, g: torch.Tensor, d: int) -> torch.Tensor:
+    """(n G, Cout/G, d): `per_example_im2col` with patches from one kernel (`columns`), in chunks
+    of examples whose patches fit `PATCH_ELEMENTS`: two kernels a chunk, memory bounded whatever
+    the batch."""
+    n, groups = a.shape[0], module.groups
+    c_out, ho, wo = g.shape[1:]
+    t = ho * wo
+    out = g.new_empty(n * groups, c_out // groups, d)
+    step = max(1, PATCH_ELEMENTS // (groups * d * t))
+    for i in range(0, n, step):
+        j = min(n, i + step)
+        patches = columns(module, a[i:j]).view((j - i) * groups, d, t)
+        grads = g[i:j].reshape((j - i) * groups, c_out // groups, t)
+        torch.bmm(grads, patches.transpose(1, 2), out=out[i * groups : j * groups])
+    return out
 
 
 def weight_grad(
