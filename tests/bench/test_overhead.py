@@ -308,7 +308,7 @@ def test_the_phases_of_the_jobs_that_record_them(overhead, results):
     ft = results / "finetune/standard/fmnist-same/dpsgd/eps1"
     recorded = [
         {"private_steps": 8.0, "evaluation_robust": 2.0},
-        {"private_steps": 12.0, "independence_and_self_test": 1.0},
+        {"private_steps": 12.0, "self_test": 1.0},
     ]
     for seed, phases in enumerate(recorded):
         m = json.loads((ft / f"seed{seed}/metrics.json").read_text())
@@ -321,7 +321,7 @@ def test_the_phases_of_the_jobs_that_record_them(overhead, results):
     assert "warmup jobs" not in text
     assert "| private_steps | 10.00 | 33.3 % |" in table
     assert "| evaluation_robust | 1.00 | 3.3 % |" in table  # a job without it counts 0
-    assert "| independence_and_self_test | 0.50 | 1.7 % |" in table
+    assert "| self_test | 0.50 | 1.7 % |" in table
     assert "| (the rest: start-up, imports, MLflow, exit) | 18.50 | 61.7 % |" in table
     assert text in overhead.markdown(list(rows.values()), [], None)
 

@@ -28,7 +28,8 @@ the algorithms, the loops or anything above them, which build on it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 from torch import nn
@@ -91,6 +92,7 @@ def wrap_for_dp(
     check_batch: int | None = None,
     check_memo_path: str | None = None,
     compile: str = "off",
+    phase: Callable[[str], AbstractContextManager] = lambda name: nullcontext(),
 ) -> nn.Module:
     """The module to train (loss reduction 'mean', batch first, as everywhere here).
 
@@ -103,6 +105,8 @@ def wrap_for_dp(
     architecture, mode and shapes in that folder; None runs it every time.
     `compile` (`finetune.compile`): off, or torch.compile's mode for bk's forward and backward
     (`compiled`); the self-test then checks the compiled path.
+    `phase(name)` times the two checks apart (a training job's `PhaseClock.phase`:
+    "independence_check", "self_test"): on a GPU they took 50 s of a Table 2 cell.
     The results are left on the wrapped module: `independence` (an `Independence`; None until
     it has run) and `per_sample_check` (the self-test's record, or None). A module that mixes
     examples raises MixedExamplesError; a self-test mismatch PerSampleCheckError.
@@ -126,21 +130,23 @@ def wrap_for_dp(
         wrapped, record, found = wrap(), None, None
     else:
         shape, dtype = tuple(sample[0]), sample[1]
-        found = make_independent(model, shape, dtype)
+        with phase("independence_check"):
+            found = make_independent(model, shape, dtype)
         _report(found)
         if check:
-            wrapped, record = check_memo.run_or_recall(
-                check_memo_path,
-                model,
-                wrap,
-                mode if compile == "off" else f"{mode}+compile:{compile}",
-                shape,
-                dtype,
-                check_batch,
-                lambda: run_checks(
-                    model, wrap, dp_optimizer, mode, shape, dtype, examples=check_batch
-                ),
-            )
+            with phase("self_test"):
+                wrapped, record = check_memo.run_or_recall(
+                    check_memo_path,
+                    model,
+                    wrap,
+                    mode if compile == "off" else f"{mode}+compile:{compile}",
+                    shape,
+                    dtype,
+                    check_batch,
+                    lambda: run_checks(
+                        model, wrap, dp_optimizer, mode, shape, dtype, examples=check_batch
+                    ),
+                )
         else:
             wrapped, record = wrap(), dict(UNVERIFIED)
     wrapped.per_sample_check = record

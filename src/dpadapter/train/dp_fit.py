@@ -176,7 +176,7 @@ def dp_fit(
     # shape (no private value is read), the self-test as many as a physical batch will hold.
     x = train.tensors[0]
     # the checks test every parameter the run will train: the union of the strategy's phases
-    with clock.phase("independence_and_self_test"), every_phase_trains(model, schedule):
+    with every_phase_trains(model, schedule):
         gsm = wrap_for_dp(
             model,
             settings.grad_sample_mode,
@@ -186,6 +186,7 @@ def dp_fit(
             check_batch=pad or settings.physical_batch_size or local.expected_batch_size,
             check_memo_path=settings.per_sample_check_memo,
             compile=settings.compile,
+            phase=clock.phase,
         )
     algo.grad_sample_mode = effective_mode(settings.grad_sample_mode, needs_samples)
     algo.per_sample_check = gsm.per_sample_check
