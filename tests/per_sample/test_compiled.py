@@ -71,6 +71,23 @@ def test_compiled_clipped_sum_equals_the_per_example_reference(case, monkeypatch
     assert not counters["graph_break"], dict(counters["graph_break"])
 
 
+def test_a_gpus_choices_compile_whole_with_the_patches_in_chunks(monkeypatch):
+    """Where launches dominate (a GPU), per-example conv gradients come from im2col patches
+    in chunks of examples (`conv.PATCH_ELEMENTS`, here one example each): the same sum,
+    traced whole."""
+    from dpadapter.per_sample import conv
+
+    model, shape, classes = CASES["odd-convs"]()
+    model = model.double()
+    x, y = _data(shape, classes)
+    ref, c = reference(copy.deepcopy(model), x, y, None)
+    monkeypatch.setattr(conv, "PATCH_ELEMENTS", 1)
+    monkeypatch.setattr("test_bookkeeping.BookKeepingModule", compiled())
+    got = bk_sum(copy.deepcopy(model), x, y, c, launch_bound=True, strategy="per-example")
+    assert float((got - ref).norm() / ref.norm()) < 1e-9
+    assert not counters["graph_break"], dict(counters["graph_break"])
+
+
 @pytest.mark.parametrize("case", sorted(ANY_CASES))
 def test_compiled_timm_families_match_the_torch_func_reference(case, monkeypatch):
     torch.manual_seed(0)

@@ -90,14 +90,14 @@ def _im2col_chunks(module: nn.Conv2d, a: torch.Tensor, g: torch.Tensor, d: int) 
     n, groups = a.shape[0], module.groups
     c_out, ho, wo = g.shape[1:]
     t = ho * wo
-    out = g.new_empty(n * groups, c_out // groups, d)
     step = max(1, PATCH_ELEMENTS // (groups * d * t))
-    for i in range(0, n, step):
+    parts = []
+    for i in range(0, n, step):  # a plain loop and cat (no `out=` views): compiles as it runs
         j = min(n, i + step)
         patches = columns(module, a[i:j]).view((j - i) * groups, d, t)
         grads = g[i:j].reshape((j - i) * groups, c_out // groups, t)
-        torch.bmm(grads, patches.transpose(1, 2), out=out[i * groups : j * groups])
-    return out
+        parts.append(torch.bmm(grads, patches.transpose(1, 2)))
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def weight_grad(
