@@ -200,7 +200,10 @@ class Session:
         self.data["dp_compiled"] = json.loads(path.read_text()) if path.is_file() else None
 
     def fastest_mode(self) -> tuple[str, str]:
-        """The pipeline mode with the lowest GNResNet-10 ratio whose clipped sum was right."""
+        """The pipeline mode with the lowest GNResNet-10 ratio whose clipped sum was right, or
+        the one `--mode` names (read from an earlier call's step b: a loan's calls are short)."""
+        if self.args.mode:
+            return self.args.mode, "--mode (step b of an earlier call)"
         report = self.data.get("dp_modes") or {}
         for r in report.get("results", []):
             if r["model"] != "gnresnet10" or "check" not in r:
@@ -382,6 +385,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stall", nargs="*", help="Table 2 cells made to overrun (dry run)")
     ap.add_argument(
         "--done", type=Path, help="Table 2 cells finished in earlier loans (docs/gpu-runs/cells)"
+    )
+    ap.add_argument(
+        "--mode",
+        choices=PIPELINE_MODES,
+        help="Table 2's per-sample mode (default: step b's fastest)",
     )
     ap.add_argument("--work", type=Path, help="scratch folder (default /tmp/gpu-session-PID)")
     ap.add_argument("--versions", type=Path, help=argparse.SUPPRESS)

@@ -174,3 +174,31 @@ def test_a_cell_whose_self_test_refuses_the_mode_runs_again_in_hooks(tmp_path):
     assert ok.status == "passed" and "in hooks: the self-test refused bk" in ok.note
     assert ok.log.endswith("table2-dpsgd-eps3-seed0-hooks.log")
     assert bad.status == "failed" and "hooks" not in bad.note
+
+
+def test_mode_on_the_command_line_is_table_2s_mode_over_step_b(tmp_path):
+    """A loan's calls are short: step b in one call, Table 2 in the next with `--mode` read from
+    the first; without `--mode`, step b's fastest mode whose sums were right, else bk."""
+    import argparse
+
+    session = import_bench("gpu_session")
+    args = argparse.Namespace(
+        dry_run=True, out=tmp_path / "out", work=tmp_path / "work", deadline=10.0, mode=None
+    )
+    s = session.Session(args)
+    assert s.fastest_mode()[0] == "bk"  # no step b
+    ratios = {"bk": 5.85, "hooks": 3.58, "functorch": 8.52, "ew": 6.04}
+    s.data["dp_modes"] = {
+        "results": [
+            {
+                "model": "gnresnet10",
+                "check": {"rel_error": dict.fromkeys(ratios, 0.0), "tolerance": 1e-9},
+                "modes": {m: {"ratio": r} for m, r in ratios.items()},
+            }
+        ]
+    }
+    assert s.fastest_mode()[0] == "hooks"
+    args.mode = "bk"
+    assert s.fastest_mode() == ("bk", "--mode (step b of an earlier call)")
+    with pytest.raises(SystemExit):
+        session.main(["--dry-run", "--mode", "ghost"])  # not a mode a config can name
