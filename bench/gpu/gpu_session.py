@@ -199,7 +199,7 @@ class Session:
         path = self.work / "dp_compiled" / "dp_modes.json"
         self.data["dp_compiled"] = json.loads(path.read_text()) if path.is_file() else None
 
-    def fastest_mode(self) -> tuple[str, str]:
+    def table2_mode(self) -> tuple[str, str]:
         """The pipeline mode with the lowest GNResNet-10 ratio whose clipped sum was right, or
         the one `--mode` names (read from an earlier call's step b: a loan's calls are short)."""
         if self.args.mode:
@@ -255,7 +255,7 @@ class Session:
     def run_table2(self) -> None:
         from gpu_session_table2 import run_table2
 
-        mode, why = self.fastest_mode()
+        mode, why = self.table2_mode()
         parallel = 2 if self.dry else (self.args.cells or self.parallel_cells(mode))
         t0 = time.monotonic()
         try:

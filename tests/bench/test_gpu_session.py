@@ -186,7 +186,7 @@ def test_mode_on_the_command_line_is_table_2s_mode_over_step_b(tmp_path):
         dry_run=True, out=tmp_path / "out", work=tmp_path / "work", deadline=10.0, mode=None
     )
     s = session.Session(args)
-    assert s.fastest_mode()[0] == "bk"  # no step b
+    assert s.table2_mode()[0] == "bk"  # no step b
     ratios = {"bk": 5.85, "hooks": 3.58, "functorch": 8.52, "ew": 6.04}
     s.data["dp_modes"] = {
         "results": [
@@ -197,8 +197,8 @@ def test_mode_on_the_command_line_is_table_2s_mode_over_step_b(tmp_path):
             }
         ]
     }
-    assert s.fastest_mode()[0] == "hooks"
+    assert s.table2_mode()[0] == "hooks"
     args.mode = "bk"
-    assert s.fastest_mode() == ("bk", "--mode (step b of an earlier call)")
+    assert s.table2_mode() == ("bk", "--mode (step b of an earlier call)")
     with pytest.raises(SystemExit):
         session.main(["--dry-run", "--mode", "ghost"])  # not a mode a config can name

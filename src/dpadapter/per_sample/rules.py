@@ -196,8 +196,6 @@ def conv_weight_norms_sq(
             return ghost_norm(conv.columns(module, a).transpose(1, 2), g3, s)
         return ghost_norm(conv.patches(module, a, s.workspace), g3, s)
     if launch_bound or (module.groups == 1 and c_in <= conv.IM2COL_MAX_IN_CHANNELS):
-        # where launches dominate, never the grouped kernel (`conv.per_example_grouped`'s
-        # docstring: cuDNN runs it group by group, one group per example)
         rec.strategy = "per-example-im2col"
         grads = conv.per_example_im2col(module, a, g, s.workspace, one_kernel=launch_bound)
     else:
