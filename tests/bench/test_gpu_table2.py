@@ -3,6 +3,9 @@
 On CPU with the tiny synthetic config and a made-up reference table: the cell's line shows our
 accuracy beside the paper's number with wall time, s/step and the (absent) GPU memory; the
 reference table is written; a second call reuses the finished cell instead of training again.
+Its stage processes are forked from the worker's fork servers (`shared_fork_servers`) where they
+are up, as a local Snakemake run's jobs are: the script's own logic is under test here, and a
+forked job writes the same files as its own process (tests/launch/test_prefork.py).
 """
 
 from __future__ import annotations
@@ -16,10 +19,12 @@ from pathlib import Path
 
 import yaml
 
+from dpadapter.launch import prefork
+
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_one_cell_without_snakemake(tiny_raw, tmp_path):
+def test_one_cell_without_snakemake(tiny_raw, tmp_path, shared_fork_servers):
     tiny_raw["results_dir"] = str(tmp_path / "results")
     tiny_raw["device"] = "cpu"
     tiny_raw["finetune"]["epochs"] = 1
@@ -37,6 +42,7 @@ def test_one_cell_without_snakemake(tiny_raw, tmp_path):
         **os.environ,
         "PYTHONPATH": str(REPO / "src"),
         "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlruns.db'}",
+        **prefork.thread_env(1),  # a one-thread job, as the servers of one thread take them
     }
     cmd = [sys.executable, str(REPO / "bench" / "gpu" / "gpu_table2.py"), "--config", str(config)]
     cmd += ["--algo", "dpsgd", "--eps", "1", "--out", str(tmp_path / "out")]
@@ -53,6 +59,9 @@ def test_one_cell_without_snakemake(tiny_raw, tmp_path):
     again = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True)
     assert again.returncode == 0 and "reusing the finished cell" in again.stdout
     assert " finetune " not in again.stdout  # no second training job
+    if shared_fork_servers.env:  # its jobs were forked, not started (the point of the fixture)
+        served = shared_fork_servers.log.read_text()
+        assert f"--out {tmp_path / 'results'}" in served, served[-2000:]
     outside = subprocess.run(
         [*cmd[:-4], "--algo", "dpsat", "--eps", "1"], env=env, capture_output=True, text=True
     )

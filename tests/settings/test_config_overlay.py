@@ -245,8 +245,9 @@ def _snakemake(workdir: Path, configfile: Path, *args: str) -> subprocess.Comple
 
 
 @pytest.mark.slow
-def test_snakemake_sees_the_merged_config_of_an_overlay(tmp_path, tiny_raw):
-    """A dry run plans the merged grid; a real run of one job writes the merged file."""
+def test_snakemake_sees_the_merged_config_of_an_overlay(tmp_path, tiny_raw, shared_fork_servers):
+    """A dry run plans the merged grid; a real run of one job writes the merged file (its job
+    forked from the worker's fork servers, `shared_fork_servers`, where they are up)."""
     (tmp_path / "base.yaml").write_text(yaml.safe_dump(tiny_raw, sort_keys=False))
     (tmp_path / "top.yaml").write_text(
         "base: base.yaml\nresults_dir: res-top\nfinetune: {seeds: [0, 1, 2]}\n"
