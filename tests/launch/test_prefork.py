@@ -7,6 +7,7 @@ refused (the job then runs in its own process).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -79,6 +80,33 @@ def _forked_child(log: Path, out: Path, job: subprocess.Popen) -> int:
         time.sleep(0.05)
     line = [x for x in log.read_text().splitlines() if f"--out {out}" in x][-1]
     return int(line.split("pid ")[1].split(":")[0])
+
+
+@contextlib.contextmanager
+def _light_server(folder: Path, threads: int = 1, prelude: str = ""):
+    """A server that preloads only the command line, for what does not depend on the imports
+    (the guard at each fork, the routing by thread count); the full preload (about 6 s of CPU a
+    server) is the module server's. Yields its socket path and log once it serves."""
+    path = str(folder / ("jobs.sock" if threads == 1 else f"jobs-t{threads}.sock"))
+    code = (
+        f"{prelude}\nfrom dpadapter.launch import prefork\n"
+        "prefork.PRELOAD, prefork.OPTIONAL_PRELOAD = ('dpadapter.launch.cli',), ()\n"
+        f"prefork.serve({path!r}, {os.getpid()}, 60)"
+    )
+    log_path = folder / "server.log"
+    env = _env(**prefork.thread_env(threads))
+    with open(log_path, "wb") as log:
+        srv = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=log, stderr=log)
+    try:
+        deadline = time.monotonic() + 120
+        while not os.path.exists(path):
+            assert time.monotonic() < deadline and srv.poll() is None, log_path.read_text()
+            time.sleep(0.1)
+        yield path, log_path
+    finally:
+        prefork.stop(path)
+        srv.kill()
+        srv.wait()
 
 
 def test_a_training_stage_gives_the_same_files_both_ways(server, tmp_path):
@@ -188,19 +216,7 @@ def test_a_job_goes_to_the_server_of_its_thread_count(server, tmp_path, tmp_path
     """Warm-up and pre-training (workflow.cores threads) get a server of their own beside the
     one-thread server of the fine-tuning jobs: each job finds its own count's in the list."""
     one, one_log = server
-    log2 = tmp_path_factory.mktemp("prefork2") / "prefork.log"
-    env = dict(os.environ)
-    os.environ.update(prefork.thread_env(2))
-    try:
-        two = prefork.start(sys.executable, log2, threads=2, idle_seconds=120)
-    finally:
-        os.environ.clear()
-        os.environ.update(env)
-    try:
-        deadline = time.monotonic() + 120
-        while not os.path.exists(two):
-            assert time.monotonic() < deadline, log2.read_text()
-            time.sleep(0.2)
+    with _light_server(tmp_path_factory.mktemp("prefork2"), threads=2) as (two, log2):
         both = os.pathsep.join([one, two])
         for threads in ("2", "1"):
             cfg = _config(tmp_path).rename(tmp_path / f"threads{threads}.yaml")
@@ -217,8 +233,6 @@ def test_a_job_goes_to_the_server_of_its_thread_count(server, tmp_path, tmp_path
         assert "threads2.yaml validate" not in one_log.read_text()
         assert "threads1.yaml validate" in one_log.read_text()
         assert "threads1.yaml validate" not in log2.read_text()
-    finally:
-        prefork.stop(two)
 
 
 def test_the_socket_list_is_read_by_thread_count(monkeypatch):
@@ -301,41 +315,20 @@ def test_a_server_that_cannot_fork_safely_refuses_by_name(hazard, tmp_path):
     """The server checks before every fork that CUDA is not initialised in it and that it runs
     one Python thread; otherwise the job runs in its own process and is told why.
 
-    This server preloads only the command line: the guard is checked at every fork whatever was
-    imported, and the full preload (about 6 s of CPU a server) is the module server's, whose
-    first log line the next test reads."""
-    path = str(tmp_path / "jobs.sock")
-    serve = (
-        "from dpadapter.launch import prefork\n"
-        "prefork.PRELOAD, prefork.OPTIONAL_PRELOAD = ('dpadapter.launch.cli',), ()\n"
-        f"prefork.serve({path!r}, {os.getpid()}, 60)"
-    )
-    code = f"{_HAZARDS[hazard]}\n{serve}"
-    log = open(tmp_path / "server.log", "wb")  # noqa: SIM115
-    srv = subprocess.Popen([sys.executable, "-c", code], env=_env(), stdout=log, stderr=log)
-    try:
-        deadline = time.monotonic() + 120
-        while not os.path.exists(path):
-            assert time.monotonic() < deadline and srv.poll() is None, (
-                tmp_path / "server.log"
-            ).read_text()
-            time.sleep(0.1)
+    The server preloads only the command line (`_light_server`): the guard is checked at every
+    fork whatever was imported."""
+    with _light_server(tmp_path, prelude=_HAZARDS[hazard]) as (path, log):
         cfg = _config(tmp_path)
         p = _job(["--config", str(cfg), "validate"], tmp_path, path)
         _, err = p.communicate(timeout=120)
         assert p.returncode == 0, err
         want = "CUDA is initialised" if hazard == "cuda" else "stray-worker"
         assert "the fork server refused this job" in err and want in err, err
-        served = (tmp_path / "server.log").read_text()
+        served = log.read_text()
         assert (
             "refused: " in served and f"--config {cfg} validate" not in served.split("refused")[0]
         )
         assert " pid " not in served  # no child was forked
-    finally:
-        prefork.stop(path)
-        srv.kill()
-        srv.wait()
-        log.close()
 
 
 def test_the_preloaded_imports_leave_the_server_safe_to_fork(server):
