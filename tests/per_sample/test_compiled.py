@@ -11,6 +11,7 @@ seconds), and one family also on `inductor`, which generates the fused kernels a
 from __future__ import annotations
 
 import copy
+import logging
 
 import pytest
 import torch
@@ -37,6 +38,26 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
+@pytest.fixture
+def restarts():
+    """Dynamo's restarts of an analysis (a phase traced again from the start: an `assert` on a
+    list in a compiled phase did that), as its log says them."""
+    said: list[str] = []
+
+    class Said(logging.Handler):
+        def emit(self, record):
+            if "Restarting analysis" in record.getMessage():
+                said.append(record.getMessage())
+
+    log, handler = logging.getLogger("torch._dynamo.convert_frame"), Said()
+    level = log.level
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    yield said
+    log.removeHandler(handler)
+    log.setLevel(level)
+
+
 def compiled(backend="aot_eager", made: list | None = None):
     """A factory of compiled bk modules (the test modules' `BookKeepingModule`); `made`
     collects them."""
@@ -51,7 +72,7 @@ def compiled(backend="aot_eager", made: list | None = None):
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_compiled_clipped_sum_equals_the_per_example_reference(case, monkeypatch):
+def test_compiled_clipped_sum_equals_the_per_example_reference(case, monkeypatch, restarts):
     model, shape, classes = CASES[case]()
     model = model.double()
     x, y = _data(shape, classes)
@@ -69,6 +90,7 @@ def test_compiled_clipped_sum_equals_the_per_example_reference(case, monkeypatch
     # rules' two phases, the norms and the clip-weighted sums (`CompiledBookKeeping._norms`)
     assert counters["stats"]["unique_graphs"] == 3
     assert not counters["graph_break"], dict(counters["graph_break"])
+    assert not restarts, restarts  # each phase traced once (compile time)
 
 
 def test_a_gpus_choices_compile_whole_with_the_patches_in_chunks(monkeypatch):
@@ -89,7 +111,7 @@ def test_a_gpus_choices_compile_whole_with_the_patches_in_chunks(monkeypatch):
 
 
 @pytest.mark.parametrize("case", sorted(ANY_CASES))
-def test_compiled_timm_families_match_the_torch_func_reference(case, monkeypatch):
+def test_compiled_timm_families_match_the_torch_func_reference(case, monkeypatch, restarts):
     torch.manual_seed(0)
     model = ANY_CASES[case]().double()
     x, y = any_data()
@@ -102,6 +124,7 @@ def test_compiled_timm_families_match_the_torch_func_reference(case, monkeypatch
     assert float((norms - ref_norms).abs().max() / ref_norms.max()) < 1e-10
     want = _clipped(ref, c)
     assert float((summed - want).norm() / want.norm()) < 1e-10
+    assert not restarts, restarts
 
 
 def test_inductor_kernels_give_the_reference_sum():
