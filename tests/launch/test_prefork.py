@@ -44,12 +44,19 @@ def server(tmp_path_factory):
     """One server for the module, its parent this test process; yields (socket path, its log)."""
     log = tmp_path_factory.mktemp("prefork") / "prefork.log"
     path = prefork.start(sys.executable, log, idle_seconds=120)
-    deadline = time.monotonic() + 120
-    while not os.path.exists(path):
-        assert time.monotonic() < deadline, log.read_text()
-        time.sleep(0.2)
+    _wait_until_serving(path, log)
     yield path, log
     prefork.stop(path)
+
+
+def _wait_until_serving(path: str, log: Path, server: subprocess.Popen | None = None) -> None:
+    """The socket appears once the server's imports are done (up to two minutes on a busy
+    machine); a server that died first fails the test with its log."""
+    deadline = time.monotonic() + 120
+    while not os.path.exists(path):
+        alive = server is None or server.poll() is None
+        assert time.monotonic() < deadline and alive, log.read_text()
+        time.sleep(0.1)
 
 
 def _job(args: list[str], cwd: Path, socket_path: str | None, **popen) -> subprocess.Popen:
@@ -98,10 +105,7 @@ def _light_server(folder: Path, threads: int = 1, prelude: str = ""):
     with open(log_path, "wb") as log:
         srv = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=log, stderr=log)
     try:
-        deadline = time.monotonic() + 120
-        while not os.path.exists(path):
-            assert time.monotonic() < deadline and srv.poll() is None, log_path.read_text()
-            time.sleep(0.1)
+        _wait_until_serving(path, log_path, srv)
         yield path, log_path
     finally:
         prefork.stop(path)
