@@ -88,6 +88,16 @@ class ForkServers(NamedTuple):
     env: str  # the value of DPADAPTER_PREFORK that names them ("" where switched off)
     log: Path  # what they served, a line per job
 
+    def job_env(self, threads: int | str) -> dict[str, str]:
+        """The variables that send a job of `threads` threads run outside Snakemake (a local
+        reference job, a script's stage process) to the server of its count: its thread
+        variables as Snakemake sets them, and the servers where they are up. A server of
+        another count refuses the job, which then runs in its own process."""
+        from dpadapter.launch import prefork
+
+        env = {"DPADAPTER_THREADS": str(threads), **prefork.thread_env(threads)}
+        return {**env, prefork.ENV: self.env} if self.env else env
+
 
 @pytest.fixture(scope="session")
 def _fork_servers(tmp_path_factory) -> ForkServers:

@@ -19,8 +19,6 @@ from pathlib import Path
 
 import yaml
 
-from dpadapter.launch import prefork
-
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -42,7 +40,7 @@ def test_one_cell_without_snakemake(tiny_raw, tmp_path, shared_fork_servers):
         **os.environ,
         "PYTHONPATH": str(REPO / "src"),
         "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlruns.db'}",
-        **prefork.thread_env(1),  # a one-thread job, as the servers of one thread take them
+        **shared_fork_servers.job_env(1),
     }
     cmd = [sys.executable, str(REPO / "bench" / "gpu" / "gpu_table2.py"), "--config", str(config)]
     cmd += ["--algo", "dpsgd", "--eps", "1", "--out", str(tmp_path / "out")]

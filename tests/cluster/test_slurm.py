@@ -292,6 +292,8 @@ def test_profile_runs_the_pipeline_through_sbatch(slurm_cluster, tiny_raw, tmp_p
     ft_log = next(p for p in slurm_logs if "group_finetune-standard" in str(p))
     threads = re.search(r"DPADAPTER_THREADS=(\d+) \S+ -m dpadapter", ft_log.read_text()).group(1)
     config = re.search(r"--config (\S+) finetune", ft_log.read_text()).group(1)
+    # the local reference job (never a Slurm job) forked from the tests' server of its thread
+    # count where it is up (`ForkServers.job_env`): the same files as its own process
     local = subprocess.run(
         [
             sys.executable, "-m", "dpadapter", "--config", config, "finetune",
@@ -299,7 +301,7 @@ def test_profile_runs_the_pipeline_through_sbatch(slurm_cluster, tiny_raw, tmp_p
             "--seed", "0", "--ckpt", "results/pretrain/standard/model.pt", "--out", "local",
         ],
         cwd=wd, env=job_env(wd, MLFLOW_TRACKING_URI="sqlite:///local.db",
-                            **_local_servers(_fork_servers, threads)),
+                            **_fork_servers.job_env(threads)),
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert local.returncode == 0, local.stderr[-3000:]
@@ -379,7 +381,7 @@ def test_one_job_in_two_processes_through_the_profile(
             "--seed", "0", "--ckpt", "results/pretrain/scratch/model.pt", "--out", "local",
         ],
         cwd=wd, env=job_env(wd, MLFLOW_TRACKING_URI="sqlite:///local.db",
-                            **_local_servers(_fork_servers, "1")),
+                            **_fork_servers.job_env(1)),
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert local.returncode == 0, local.stderr[-3000:]
@@ -394,18 +396,6 @@ def test_one_job_in_two_processes_through_the_profile(
     w_two = torch.load(wd / job_dir / "model.pt", weights_only=False)["state_dict"]
     w_one = torch.load(wd / "local" / "model.pt", weights_only=False)["state_dict"]
     assert any(not torch.equal(w_two[k], w_one[k]) for k in w_one)
-
-
-def _local_servers(servers, threads: str) -> dict[str, str]:
-    """The local reference job (never a Slurm job: their environment does not name them) runs
-    forked from the tests' fork server of its thread count where it is up: the same files as
-    its own process (tests/launch/test_prefork.py), without a second start of torch, Opacus and
-    MLflow. The thread variables as Snakemake sets them for a job of `threads` (the Slurm job's
-    too); a server of another count refuses the job, which then runs in its own process."""
-    from dpadapter.launch import prefork
-
-    env = {"DPADAPTER_THREADS": threads, **prefork.thread_env(threads)}
-    return {**env, prefork.ENV: servers.env} if servers.env else env
 
 
 def log_of(wd: Path, job_dir: Path) -> str:
