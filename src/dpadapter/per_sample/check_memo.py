@@ -124,12 +124,13 @@ def signature(
 
 def _settings(m: nn.Module) -> dict[str, str]:
     """A module's public plain-data attributes (timm's `global_pool`, a flag its forward reads):
-    configuration that `extra_repr` need not show. Not dicts: timm's `pretrained_cfg` names the
-    checkpoint, which changes no code path (weights are left out of the key)."""
+    configuration that `extra_repr` need not show. Not dicts (timm's `pretrained_cfg` names the
+    checkpoint, which changes no code path) nor lists (state: Opacus' `activations`)."""
     return {
         k: _plain_bytes(v).decode()
         for k, v in sorted(vars(m).items())
-        if not k.startswith("_") and k != "training" and _plain(v) and not isinstance(v, dict)
+        if not k.startswith("_") and k != "training" and _plain(v)
+        if not isinstance(v, (dict, list))
     }
 
 
