@@ -12,7 +12,16 @@ from noiseless import dp_sgd  # tests/ is on sys.path
 from torch import nn
 
 from dpadapter.models import create_model
-from dpadapter.per_sample import PerSampleCheckError, check_memo, rules, wrap_for_dp
+from dpadapter.per_sample import (
+    PerSampleCheckError,
+    check_memo,
+    conv,
+    ghost,
+    rules,
+    self_test,
+    wrap_for_dp,
+)
+from dpadapter.per_sample.bookkeeping import BookKeepingModule
 from dpadapter.settings import ModelConfig
 
 SAMPLE = ((1, 28, 28), torch.float32)
@@ -171,3 +180,117 @@ def test_the_key_of_a_function_does_not_follow_reference_counts():
         return inner
 
     assert check_memo._code_of(other) != before  # a change in the nested code still shows
+
+
+class Pool(nn.Module):
+    """A setting its forward reads that `extra_repr` does not show."""
+
+    def __init__(self, kind: str = "mean"):
+        super().__init__()
+        self.kind = kind
+
+    def forward(self, x):
+        return x.mean(dim=(2, 3)) if self.kind == "mean" else x.amax(dim=(2, 3))
+
+
+def _small(kind: str = "mean", groups: int = 2, tied: bool = False) -> nn.Module:
+    torch.manual_seed(0)
+    a, b = nn.Linear(4, 4), nn.Linear(4, 4)
+    if tied:
+        b.weight = a.weight
+    return nn.Sequential(
+        nn.Conv2d(1, 4, 3), nn.GroupNorm(groups, 4), Pool(kind), a, nn.Tanh(), b, nn.Linear(4, 10)
+    )
+
+
+def _frozen_head() -> nn.Module:
+    model = _small()
+    model[6].requires_grad_(False)
+    return model
+
+
+def _norm_in_eval() -> nn.Module:
+    model = _small()
+    model[1].eval()
+    return model
+
+
+def _patched(monkeypatch, owner, name, value) -> dict:
+    """A change to the process (the call's arguments stay the base's)."""
+    monkeypatch.setattr(owner, name, value)
+    return {}
+
+
+def _wrapper(f):
+    return lambda *a, **k: f(*a, **k)
+
+
+BASE = {"mode": "bk", "shape": (1, 8, 8), "dtype": torch.float32, "examples": 8}
+# Each input of the verdict, changed from the base (`_small()` and BASE): the call's arguments
+# that change, after the changes it made to the process.
+CHANGES = {
+    # the model's structure
+    "a module's configuration": lambda mp: {"model": _small(groups=1)},
+    "a setting extra_repr does not show": lambda mp: {"model": _small("max")},
+    "tied weights": lambda mp: {"model": _small(tied=True)},
+    "channels-last parameters": lambda mp: {
+        "model": _small().to(memory_format=torch.channels_last)
+    },
+    # which parameters train, which modules run in eval, in which dtype
+    "the trained set": lambda mp: {"model": _frozen_head()},
+    "a module in eval": lambda mp: {"model": _norm_in_eval()},
+    "the dtype": lambda mp: {"model": _small().double(), "dtype": torch.float64},
+    # the mode and the code that computes it
+    "the mode": lambda mp: {"mode": "hooks"},
+    "compiled": lambda mp: {"mode": "bk+compile:default"},
+    "a per-sample function patched": lambda mp: _patched(
+        mp, rules, "layer_sums", _wrapper(rules.layer_sums)
+    ),
+    "the self-test's second size": lambda mp: _patched(mp, self_test, "SMALL", 3),
+    # the physical batch's layout choices
+    "the physical batch size": lambda mp: {"examples": 64},
+    "the sample shape": lambda mp: {"shape": (1, 9, 9)},
+    "im2col or the grouped kernel": lambda mp: _patched(mp, conv, "IM2COL_MAX_IN_CHANNELS", 0),
+    "im2col's chunks": lambda mp: _patched(mp, conv, "PATCH_ELEMENTS", 1 << 10),
+    "ghost groups' size": lambda mp: _patched(mp, ghost, "MAX_GROUP_ELEMENTS", 1 << 10),
+    "the fused GroupNorm backward": lambda mp: _patched(mp, BookKeepingModule, "fuse_norms", False),
+}
+
+
+@pytest.mark.parametrize("change", sorted(CHANGES))
+def test_each_input_of_the_verdict_runs_the_check_again(change, tmp_path, monkeypatch):
+    """The base is stored and recalled; after the change the check runs again, and its verdict
+    is then recalled under the new key. Before this test, tied weights, channels-last
+    parameters, a setting outside `extra_repr` and every plain-data setting of the package
+    (the layout thresholds, `fuse_norms`, the self-test's sizes) recalled the base's verdict."""
+    memo = check_memo.memo_path(tmp_path)
+    runs = []
+
+    def run():
+        runs.append(1)
+        return nn.Identity(), {"passed": True}
+
+    def call(**changed):
+        a = {"model": _small(), **BASE, **changed}
+        key = (a["mode"], a["shape"], a["dtype"], a["examples"])
+        return check_memo.run_or_recall(memo, a["model"], nn.Identity, *key, run)[1]["recalled"]
+
+    assert (call(), call()) == (False, True)
+    changed = CHANGES[change](monkeypatch)
+    assert call(**changed) is False, f"{change}: the base's verdict was recalled"
+    assert call(**changed) is True
+    assert len(runs) == 2
+
+
+def test_a_layout_threshold_changed_at_run_time_runs_the_real_check_again(tmp_path, monkeypatch):
+    """Through `wrap_for_dp`: the first convolution's per-example gradients from the grouped
+    kernel instead of im2col are another code path, tested again, not recalled."""
+    memo = check_memo.memo_path(tmp_path)
+    sample = ((1, 8, 8), torch.float32)
+    first = wrap_for_dp(_small(), "bk", sample=sample, check_memo_path=memo)
+    assert first.per_sample_check["recalled"] is False
+    assert first.last_plan == {}  # the self-test's plan is not left behind
+    monkeypatch.setattr(conv, "IM2COL_MAX_IN_CHANNELS", 0)
+    again = wrap_for_dp(_small(), "bk", sample=sample, check_memo_path=memo)
+    assert again.per_sample_check["recalled"] is False and again.per_sample_check["passed"]
+    assert again.per_sample_check["memo_key"] != first.per_sample_check["memo_key"]

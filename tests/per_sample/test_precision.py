@@ -339,3 +339,46 @@ def test_precision_is_validated_before_any_job(tiny_raw):
     tiny_raw["finetune"]["precision"] = "fp8"
     with pytest.raises(ConfigError, match="finetune.precision"):
         validate(tiny_raw)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("overflows", [0, 2], ids=["growth", "backoff-then-growth"])
+def test_fp16_growth_batch_divides_by_the_scale_the_backward_used(mode, overflows, monkeypatch):
+    """`growth_interval` 1: the batch's clean backward grows the scale (x2) before the clip
+    runs. The per-example gradients must be divided by the scale the backward ran at (after
+    `overflows` forced back-offs: 2^14), not by the grown one: the clip factors and clipped sum
+    are then fp32's within fp16's error (test_low_precision_clips_like_fp32's tolerances).
+    Divided by the grown scale, every norm is halved and the examples under the clip contribute
+    half their gradient (Opacus' modes before the fix: factors off by up to 2x)."""
+    x, y = batch("mlp")
+    model = mlp()
+    c = 1.8  # between the smallest and the largest norm
+    n32, s32 = clip_once(copy.deepcopy(model), mode, "fp32", x, y, c, monkeypatch)
+    monkeypatch.setattr(
+        precision_mod, "LossScale", functools.partial(LossScale, scale=2.0**16, growth_interval=1)
+    )
+    if overflows:
+        _fail_first(monkeypatch, overflows)
+    n16, s16 = clip_once(copy.deepcopy(model), mode, "fp16", x, y, c, monkeypatch)
+    f32, f16 = (c / (n32 + 1e-6)).clamp(max=1), (c / (n16 + 1e-6)).clamp(max=1)
+    assert 2 <= int((f32 < 1).sum()) <= 6, f32
+    assert torch.allclose(f16, f32, rtol=1e-2, atol=0), (f16, f32)
+    mass = float((f32 * n32).sum())
+    assert float((s16 - s32).norm()) < 5e-2 * mass
+
+
+def test_fp16_growth_is_recorded_and_the_next_batch_uses_it(monkeypatch):
+    """The growth itself still happens (the next batch's backward runs at the grown scale), and
+    the batch that grew it reports the scale it ran at."""
+    monkeypatch.setattr(
+        precision_mod, "LossScale", functools.partial(LossScale, scale=2.0**10, growth_interval=1)
+    )
+    gsm = wrap_for_dp(mlp(), "hooks")
+    prec = Precision("fp16")
+    prec.bind(lambda: [p for p in gsm.parameters() if p.requires_grad], gsm)
+    x, y = batch("mlp")
+    prec.gradient(gsm, x, y, F.cross_entropy)
+    assert prec.scale == 2.0**10 and prec.scaler.scale == 2.0**11
+    prec._clear()
+    prec.gradient(gsm, x, y, F.cross_entropy)
+    assert prec.scale == 2.0**11 and prec.scaler.scale == 2.0**12

@@ -57,7 +57,8 @@ the closed forms, so that any model trains under bk. Such a module keeps its par
 gradients switched off like the closed-form layers do when an input already needs one.
 
 Refused, naming the module, because the result would be wrong: a module with trained
-parameters called twice in one forward, a BatchNorm in training mode (its output mixes the
+parameters called twice in one forward, a trained parameter shared by two modules (tied
+weights, `shared`), a BatchNorm in training mode (its output mixes the
 examples of the batch), a fallback module whose output is not one batch-first tensor, and a
 fallback forward that draws random numbers (dropout inside it: the replay would draw others).
 """
@@ -84,6 +85,7 @@ from dpadapter.per_sample.independence import (
     unsupported_trainable,
 )
 from dpadapter.per_sample.rules import SUPPORTED_LAYERS, LayerRecord, closed_form
+from dpadapter.per_sample.shared import refuse_shared
 from dpadapter.per_sample.tokens import TokenLayout, token_layout
 
 __all__ = ["SUPPORTED_LAYERS", "BookKeepingModule", "closed_form", "unsupported_trainable"]
@@ -114,6 +116,7 @@ class BookKeepingModule(nn.Module):
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"loss_reduction must be 'mean' or 'sum', not {loss_reduction!r}")
         refuse_unsupported(module)
+        refuse_shared(module)  # tied weights (`shared`)
         self._module = module
         self.loss_reduction = loss_reduction
         # Per-example gradients of a layer up to this many elements (64 MiB in float32) are
@@ -163,6 +166,7 @@ class BookKeepingModule(nn.Module):
             self._arenas = []
             self._norm_weights.clear()
             refuse_unsupported(self._module)  # a strategy may have unfrozen another layer
+            refuse_shared(self._module)
             first = next((a for a in tree_leaves((args, kwargs)) if torch.is_tensor(a)), None)
             self._rows = None if first is None or first.dim() == 0 else first.shape[0]
         try:

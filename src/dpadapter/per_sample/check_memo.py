@@ -11,7 +11,12 @@ architecture: the test ran 70 times on the same code, about 0.9 s of a 7 s job.
 So a passed test is remembered in `<results_dir>/.cache/per_sample_check.json` under a key that
 names all of the above, the source text of every module class in the model (a changed forward
 is a new key), the source of `dpadapter.per_sample` itself and the versions of torch, Opacus
-and timm. A job whose key is there wraps its model without running the test again and records
+and timm; also what the source does not show: the parameters' layout (channels last), which of
+them are tied (`shared`), each module's public plain settings (`extra_repr` shows some), and
+the package's functions, defaults and plain-data settings as they stand in the process (a
+threshold that picks a kernel, `conv.IM2COL_MAX_IN_CHANNELS`, changed at run time is a new key:
+tests/per_sample/test_check_memo.py changes each input and sees the test run again).
+A job whose key is there wraps its model without running the test again and records
 the remembered result with `recalled: true`; any other job runs it and, when it passes, stores
 it. A failed test is never stored (it raises). Weights are left out of the key on purpose: the
 test's inputs are synthetic, and a weight-dependent disagreement is a kink of float rounding
@@ -89,19 +94,21 @@ def signature(
                 "class": f"{cls.__module__}.{cls.__qualname__}",
                 "source": _class_source_hash(cls),
                 "config": m.extra_repr(),
+                "settings": _settings(m),
                 "training": m.training,
                 "params": [
-                    (n, tuple(p.shape), str(p.dtype), p.requires_grad)
+                    (n, tuple(p.shape), tuple(p.stride()), str(p.dtype), p.requires_grad)
                     for n, p in m.named_parameters(recurse=False)
                 ],
                 "buffers": [
-                    (n, tuple(b.shape), str(b.dtype))
+                    (n, tuple(b.shape), tuple(b.stride()), str(b.dtype))
                     for n, b in m.named_buffers(recurse=False)
                     if b is not None
                 ],
             }
         )
     what = {
+        "tied": _tied(model),
         "mode": mode,
         "sample_shape": list(sample_shape),
         "dtype": str(dtype),
@@ -113,6 +120,48 @@ def signature(
         "versions": _versions(),
     }
     return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _settings(m: nn.Module) -> dict[str, str]:
+    """A module's public plain-data attributes (timm's `global_pool`, a flag its forward reads):
+    configuration that `extra_repr` need not show. Not dicts (timm's `pretrained_cfg` names the
+    checkpoint, which changes no code path) nor lists (state: Opacus' `activations`)."""
+    return {
+        k: _plain_bytes(v).decode()
+        for k, v in sorted(vars(m).items())
+        if not k.startswith("_") and k != "training" and _plain(v)
+        if not isinstance(v, (dict, list))
+    }
+
+
+def _tied(model: nn.Module) -> list[list[str]]:
+    """The names under which one parameter is held more than once (tied weights, a module
+    registered twice): the same shapes tied or not are different models (`shared`)."""
+    holders: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        holders.setdefault(id(p), []).append(name)
+    return sorted(names for names in holders.values() if len(names) > 1)
+
+
+def _plain(v: Any) -> bool:
+    """Plain data whose repr is the same in every process: a setting, not an object."""
+    if v is None or isinstance(v, (bool, int, float, str, bytes, torch.dtype)):
+        return True
+    if isinstance(v, (tuple, list, frozenset)):
+        return all(_plain(x) for x in v)
+    if isinstance(v, dict):
+        return all(_plain(k) and _plain(x) for k, x in v.items())
+    return False
+
+
+def _plain_bytes(v: Any) -> bytes:
+    if isinstance(v, frozenset):
+        return b"{" + b",".join(sorted(_plain_bytes(x) for x in v)) + b"}"
+    if isinstance(v, dict):
+        return b"{" + b",".join(sorted(_plain_bytes((k, x)) for k, x in v.items())) + b"}"
+    if isinstance(v, (tuple, list)):
+        return b"(" + b",".join(_plain_bytes(x) for x in v) + b")"
+    return f"{type(v).__name__}:{v!r}".encode()
 
 
 @functools.cache
@@ -174,6 +223,8 @@ def _live_code_hash(model: nn.Module) -> str:
     for name in names:
         module = importlib.import_module(name)
         for attr, value in sorted(vars(module).items()):
+            if attr.startswith("__"):  # its file's path, docstring, loader: not what runs
+                continue
             h.update(f"{name}.{attr}".encode())
             h.update(_code_of(value))
     for cls in sorted({type(m) for m in model.modules()}, key=lambda c: c.__qualname__):
@@ -183,16 +234,25 @@ def _live_code_hash(model: nn.Module) -> str:
 
 
 def _code_of(value: Any) -> bytes:
-    """The compiled code of a function, of a class's methods, or of a registry's entries (a
-    table from layer types to rules: `rules.RULES`); nothing for other values, nor for a
-    library's own (`_from_a_library`)."""
+    """The compiled code of a function (and its defaults), of a class's methods and settings,
+    or of a registry's entries (a table from layer types to rules: `rules.RULES`); a module's
+    or class's plain-data settings (`conv.PATCH_ELEMENTS`, `BookKeepingModule.fuse_norms`,
+    `self_test.TOLERANCE`: a change at run time picks another path or verdict); nothing for
+    other values (caches, tensors), nor for a library's own (`_from_a_library`)."""
+    if _plain(value):
+        return _plain_bytes(value)
     if _from_a_library(value):
         return b""
     if inspect.isfunction(value) or inspect.ismethod(value):
-        return _code_bytes(value.__code__)
+        defaults = (*(value.__defaults__ or ()), *sorted((value.__kwdefaults__ or {}).items()))
+        return _code_bytes(value.__code__) + b"".join(
+            _plain_bytes(d) if _plain(d) else type(d).__qualname__.encode() for d in defaults
+        )
     if inspect.isclass(value):
         return b"".join(
-            _code_of(v) for _, v in sorted(vars(value).items()) if inspect.isfunction(v)
+            k.encode() + _code_of(v)
+            for k, v in sorted(vars(value).items())
+            if inspect.isfunction(v) or (not k.startswith("__") and _plain(v))
         )
     if isinstance(value, dict) and value and all(inspect.isclass(k) for k in value):
         return b"".join(

@@ -28,7 +28,10 @@ skipped step as a release, the other honest option, would spend privacy for no u
 the schedule's sigma calibrated for steps that do not train.) The scale starts at
 GradScaler's 2^16; Opacus' hooks and ew modes compute per-example gradients in fp16, n times a
 mean gradient's size, so a run's first batch usually halves it a few times. It grows back (x2)
-after `growth_interval` clean physical batches, as GradScaler's does. The scale's course
+after `growth_interval` clean physical batches, as GradScaler's does; the growth comes after
+that batch's backward, so its per-example gradients are divided by the scale the backward ran at
+(`Precision.scale`), not by the grown one (which halved them on every growth batch in Opacus'
+modes; bk's `grad_scale` is set before the backward). The scale's course
 (which batches overflowed, how often it was recomputed, where it stands) is a function of the
 private data: it lives in the resume state, which is as secret as the data, and is never
 published. `describe`, which goes to metrics.json and MLflow, gives the configuration only.
@@ -114,6 +117,8 @@ class Precision:
         self._params: Callable[[], list[nn.Parameter]] = list
         self._wrapped: nn.Module | None = None
         self._in_fp32 = False  # the current batch overflowed at every scale: fp32, scale 1
+        # the scale the last backward ran at: `clean` may grow the scaler's before the clip runs
+        self._used: float | None = None
 
     def bind(self, params: Callable[[], list[nn.Parameter]], wrapped: nn.Module) -> None:
         self._params = params
@@ -121,8 +126,12 @@ class Precision:
 
     @property
     def scale(self) -> float:
-        """What the current batch's per-example gradients are scaled by."""
-        return 1.0 if self.scaler is None or self._in_fp32 else self.scaler.scale
+        """What the current batch's per-example gradients are scaled by: the scale its backward
+        ran at, not the scaler's, which `LossScale.clean` has grown on a growth batch (dividing
+        by that halved every example's gradient on such a batch)."""
+        if self.scaler is None:
+            return 1.0
+        return self.scaler.scale if self._used is None else self._used
 
     def autocast(self) -> contextlib.AbstractContextManager:
         if self.dtype is None:
@@ -158,6 +167,7 @@ class Precision:
                 self._clear()
                 set_rng_state(rng)
             self._set_grad_scale(scaler.scale)
+            self._used = scaler.scale
             with self.autocast():
                 loss = loss_fn(model(x), y)
                 (loss * scaler.scale).backward()
@@ -174,6 +184,7 @@ class Precision:
         scaler.overflowed_batches += 1
         self._in_fp32 = True
         self._set_grad_scale(1.0)
+        self._used = 1.0
         loss = loss_fn(model(x), y)
         loss.backward()
         scaler.clean()

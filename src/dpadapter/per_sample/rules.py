@@ -285,8 +285,12 @@ def group_norm_folded(
         # not read when no input gradient is asked for, but it must be given (a NaN weight
         # changes nothing on the CPU; on CUDA the CUDA tests of test_bookkeeping.py check it)
         weight = a.new_empty(1).expand(n * c)
+    # contiguous: the kernel reads its operands as laid out contiguously, and a reshape of one
+    # example's strided gradient (a GroupNorm's output transposed downstream, channels last) is
+    # a strided view, where two or more examples' is a copy: wrong gradients at batch size 1
     dx, gw, gb = torch.ops.aten.native_group_norm_backward(
-        g.reshape(1, n * c, hw), a.reshape(1, n * c, hw), mean, rstd, weight,
+        g.reshape(1, n * c, hw).contiguous(), a.reshape(1, n * c, hw).contiguous(), mean, rstd,
+        weight,
         1, n * c, hw, groups, [input_grad, True, True],
     )  # fmt: skip
     return (dx.view_as(a) if dx is not None else None), gw.view(n, c), gb.view(n, c)

@@ -297,10 +297,13 @@ def _synthetic(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator)
 
 
 def _trained_groups(model: nn.Module) -> dict[str, list[nn.Parameter]]:
-    """Trainable parameters by the module that owns them: "module 'name' (Class)"."""
-    out = {}
+    """Trainable parameters by the module that owns them: "module 'name' (Class)". A tied
+    parameter (`shared`) is its first holder's only: one optimizer parameter, one gradient."""
+    out: dict[str, list[nn.Parameter]] = {}
+    seen: set[int] = set()
     for name, m in model.named_modules():
-        ps = [p for p in m.parameters(recurse=False) if p.requires_grad]
+        ps = [p for p in m.parameters(recurse=False) if p.requires_grad and id(p) not in seen]
+        seen.update(id(p) for p in ps)
         if ps:
             out[f"module {name or '<root>'!r} ({type(m).__name__})"] = ps
     return out
