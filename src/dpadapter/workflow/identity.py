@@ -254,8 +254,32 @@ def overwrite_allowed() -> bool:
     return os.environ.get(OVERWRITE_ENV, "").strip().lower() in {"1", "true", "yes"}
 
 
-def record(cfg: Config) -> Path:
-    """Write the identity of `cfg` into its results folder (atomically); keep earlier hashes."""
+# The content fingerprint of each dataset as the folder's last run read it.
+DATA_KEY = "data"
+
+
+def data_changes(cfg: Config, data: dict[str, str | None]) -> str | None:
+    """Which datasets' content differs from what the folder's last run read (`record`), so
+    `snakemake -n` says why their jobs rerun; None when none does or nothing is recorded."""
+    stored = (read(cfg.results_dir) or {}).get(DATA_KEY)
+    if not stored:
+        return None
+    changed = [n for n, fp in sorted(data.items()) if n in stored and stored[n] != fp and fp]
+    if not changed:
+        return None
+    lines = "".join(
+        f"\n    {n}: content {str(stored[n])[:12]} -> {str(data[n])[:12]}" for n in changed
+    )
+    return (
+        f"the data changed since the last run in {cfg.results_dir}/:{lines}\n"
+        "  Every job that reads it reruns (its `fp` param holds the data's content fingerprint; "
+        "`snakemake --list-changes params` lists them)."
+    )
+
+
+def record(cfg: Config, data: dict[str, str | None] | None = None) -> Path:
+    """Write the identity of `cfg` into its results folder (atomically); keep earlier hashes,
+    and `data`, the content fingerprint of each dataset this run reads (`data_changes`)."""
     p = identity_path(cfg.results_dir)
     stored = read(cfg.results_dir) or {}
     h = config_hash(cfg)
@@ -270,14 +294,20 @@ def record(cfg: Config) -> Path:
         "written": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "previous": previous,
         "sections": sections(cfg),
+        **({DATA_KEY: {**stored.get(DATA_KEY, {}), **data}} if data else {}),
     }
     atomic.write_text(p, json.dumps(payload, indent=1, sort_keys=True) + "\n")
     return p
 
 
-def before_run(cfg: Config) -> None:
+class RefusedOverwrite(SystemExit):
+    """A real run would overwrite another config's results: said as a message, not a traceback
+    (Snakemake prints a SystemExit's text as it is)."""
+
+
+def before_run(cfg: Config, data: dict[str, str | None] | None = None) -> None:
     """Snakemake `onstart`: refuse to overwrite another config's results, else record ours."""
     message = check(cfg)
     if message is not None and not overwrite_allowed():
-        raise RuntimeError("refusing to run: " + message)
-    record(cfg)
+        raise RefusedOverwrite("refusing to run: " + message)
+    record(cfg, data)
