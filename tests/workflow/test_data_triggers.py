@@ -54,18 +54,42 @@ def test_audit_and_federated_jobs_read_the_task_their_entry_points_pick():
     assert "m1" in data_part(raw, "federated", {"upstream": "scratch"}, DATA)
 
 
-def test_only_folders_begun_with_data_triggers_read_them_and_code_made_data_adds_nothing():
+def test_data_made_by_code_adds_nothing_to_a_trigger():
     raw = _config()
     edited = {**DATA, MINE: "m2"}
-    v2 = [stage_fingerprint(raw, "finetune", WC, 2, None, d) for d in (DATA, edited)]
-    assert v2[0] == v2[1] == stage_fingerprint(raw, "finetune", WC, 2)  # finished jobs kept
     v3 = [stage_fingerprint(raw, "finetune", WC, 3, None, d) for d in (DATA, edited)]
-    assert v3[0] != v3[1] and v3[0].startswith(v2[0])
+    assert v3[0] != v3[1] and v3[0].startswith(stage_fingerprint(raw, "finetune", WC, 3))
     syn = {**WC, "task": "syn-same"}
     raw["public"]["dataset"] = "synthetic"
     assert stage_fingerprint(raw, "finetune", syn, 3, None, DATA) == stage_fingerprint(
-        raw, "finetune", syn, 2
+        raw, "finetune", syn, 3
     )
+
+
+def test_a_folder_begun_before_data_triggers_keeps_them_off_its_finished_jobs(tmp_path):
+    """A version 2 folder: the datasets of its last run stay out of the triggers (its finished
+    jobs are not rerun by the upgrade); a dataset it sees first afterwards gets them, and
+    keeps them on later runs."""
+    import json
+
+    from dpadapter.workflow.identity import IDENTITY_FILE, untriggered_data
+
+    raw = _config()
+    raw["results_dir"] = str(tmp_path / "res")
+    del raw["tasks"]["mine"]
+    old = from_dict(raw)
+    record(old)
+    path = tmp_path / "res" / IDENTITY_FILE
+    stored = json.loads(path.read_text())
+    stored["fingerprints"] = 2
+    path.write_text(json.dumps(stored))
+    assert untriggered_data(old) == {"fashion-mnist", "synthetic"}
+    grown = from_dict(_config() | {"results_dir": raw["results_dir"]})
+    assert untriggered_data(grown) == {"fashion-mnist", "synthetic"}  # mine: triggered
+    record(grown)
+    assert untriggered_data(grown) == {"fashion-mnist", "synthetic"}  # kept, mine not in it
+    fresh = from_dict(_config() | {"results_dir": str(tmp_path / "new")})
+    assert untriggered_data(fresh) == set()
 
 
 def test_a_changed_dataset_is_said_against_the_last_run(tmp_path):

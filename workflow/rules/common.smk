@@ -20,7 +20,7 @@ from dpadapter.validation import optional_sections as _sections
 from dpadapter.workflow import snakemake_adapter as _smk
 from dpadapter import tracking as _tracking
 from dpadapter.validation import compose as _validation
-from dpadapter.workflow.fingerprint import DATA_VERSION, stage_fingerprint
+from dpadapter.workflow.fingerprint import stage_fingerprint
 from dpadapter.upstream.resolve import method_class as _method_class
 from dpadapter.upstream.resolve import weights_file as _weights_file
 from dpadapter.upstream.variants import VARIANT_RE
@@ -98,13 +98,15 @@ if _IDENTITY_WARNING:
 
 # The content of every dataset the config reads (dpadapter.data.data_fingerprint: hashes kept by
 # path, size and mtime, so an unchanged folder costs a stat per file): part of the rerun trigger
-# of each job that reads it, in folders begun with data triggers (fingerprint version 3), so
-# an image added, removed or edited reruns exactly those jobs; said here when it changed since
-# the folder's last run (dpadapter.workflow.identity.data_changes).
+# of each job that reads it, so an image added, removed or edited reruns exactly those jobs;
+# said here when it changed since the folder's last run (dpadapter.workflow.identity). A folder
+# begun before data triggers keeps its finished jobs' triggers: the datasets they were built
+# from are left out there (identity.untriggered_data).
+_UNTRIGGERED = _identity.untriggered_data(CFG)
 DATA_FPS = {}
-if FP_VERSION >= DATA_VERSION:
-    for _role in [CFG.public, *CFG.tasks.values()]:
-        DATA_FPS.setdefault(_role.dataset, _data_fingerprint(_role.dataset, CFG.data.root))
+for _role in [CFG.public, *CFG.tasks.values()]:
+    if _role.dataset not in _UNTRIGGERED and _role.dataset not in DATA_FPS:
+        DATA_FPS[_role.dataset] = _data_fingerprint(_role.dataset, CFG.data.root)
 _DATA_NOTE = _identity.data_changes(CFG, DATA_FPS)
 if _DATA_NOTE and _smk.is_main_process(workflow):
     print(f"note: {_DATA_NOTE}", file=sys.stderr)

@@ -164,8 +164,10 @@ _FINETUNE = without("finetune", FINETUNE_GRID)
 # triggers read the list it was built with (`pins`, dpadapter.workflow.identity.fingerprint_pins),
 # not the config's: its finished jobs are carried over, and a grown list adds jobs, as in
 # version 2.
-# Version 3 adds the content of the data each job reads (`data_part`): a version 2 folder's
-# finished jobs were built without it, and would all rerun if it appeared in their triggers.
+# Version 3 adds the content of the data each job reads (`data_part`) to its trigger. A version
+# 1 or 2 folder's finished jobs were built without it, and would all rerun if it appeared in
+# their triggers: there, the datasets they were built from are left out of `data`
+# (dpadapter.workflow.identity.untriggered_data), and only datasets new to the folder count.
 CURRENT_VERSION = 3
 DATA_VERSION = 3
 # The pinned key of a version 1 folder, as `pins` names it (absent from `pins`: no such key).
@@ -271,7 +273,7 @@ def stage_fingerprint(
     `wildcards`: the job's (Snakemake's Wildcards or a dict); stages whose parts read none
     (warmup) take None. `version`: the results folder's (`CURRENT_VERSION` for a new one);
     `pins`: a version 1 folder's `finetune.upstreams` as its jobs were built (None: the config's).
-    `data`: the content fingerprint of each dataset (`data_part`), read from version 3 on.
+    `data`: the content fingerprint of each dataset whose content counts (`data_part`).
     """
     spec = STAGES[stage]
     if version >= 2 and stage == "finetune":
@@ -287,6 +289,6 @@ def stage_fingerprint(
             out += _json(chunk(config, wildcards))
     if spec.plus:
         out += stage_fingerprint(config, spec.plus, wildcards)
-    if data and version >= DATA_VERSION:
+    if data:
         out += data_part(config, stage, wildcards, data)
     return out

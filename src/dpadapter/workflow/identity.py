@@ -256,6 +256,33 @@ def overwrite_allowed() -> bool:
 
 # The content fingerprint of each dataset as the folder's last run read it.
 DATA_KEY = "data"
+# A folder begun before data triggers (fingerprint version < 3): the datasets its finished jobs
+# were built from, which keep triggers without data (`untriggered_data`).
+UNTRIGGERED_KEY = "data_untriggered"
+
+
+def _datasets(secs: dict[str, Any]) -> set[str]:
+    roles = [secs.get("public") or {}, *(secs.get("tasks") or {}).values()]
+    return {r["dataset"] for r in roles if isinstance(r, dict) and r.get("dataset")}
+
+
+def untriggered_data(cfg: Config) -> set[str]:
+    """Datasets whose content is left out of the rerun triggers in this folder.
+
+    None in a folder begun with data triggers (version 3). In an older folder, the datasets its
+    finished jobs were built from: putting their content in those jobs' triggers now would rerun
+    every one of them. A dataset the folder sees first after the upgrade (a researcher's own
+    folder added as a task) gets triggers there too. Read from the identity of the folder's last
+    run (the datasets of its config), or for a folder older than identities, this config's; kept
+    from then on (`record`)."""
+    from dpadapter.workflow.fingerprint import DATA_VERSION
+
+    if fingerprint_version(cfg) >= DATA_VERSION:
+        return set()
+    stored = read(cfg.results_dir)
+    if stored is not None and UNTRIGGERED_KEY in stored:
+        return set(stored[UNTRIGGERED_KEY])
+    return _datasets(stored.get("sections", {}) if stored is not None else sections(cfg))
 
 
 def data_changes(cfg: Config, data: dict[str, str | None]) -> str | None:
@@ -287,7 +314,11 @@ def record(cfg: Config, data: dict[str, str | None] | None = None) -> Path:
     if stored.get("hash") and stored["hash"] != h:
         previous.append({"hash": stored["hash"], "written": stored.get("written")})
     pins = fingerprint_pins(cfg)  # before this write, as the version
+    from dpadapter.workflow.fingerprint import DATA_VERSION
+
+    old_folder = fingerprint_version(cfg) < DATA_VERSION
     payload = {
+        **({UNTRIGGERED_KEY: sorted(untriggered_data(cfg))} if old_folder else {}),
         **({PINS_KEY: pins} if pins is not None else {}),
         "fingerprints": fingerprint_version(cfg),  # before this write: a new folder's is current
         "hash": h,
