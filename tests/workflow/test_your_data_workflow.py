@@ -95,6 +95,7 @@ def test_bad_files_are_refused_by_a_dry_run_naming_them(tmp_path):
     ):
         assert needle in out, out[-3000:]
     assert "Traceback" not in out and not (tmp_path / "results").exists()
+    assert "no config file writes" not in out  # no line of the list read as a config key
 
 
 def test_an_edit_reruns_exactly_its_tasks_jobs_and_a_failed_rerun_keeps_the_results(tmp_path):

@@ -60,8 +60,11 @@ def read_listing(base: Path, root: Path | None = None) -> Scan:
     `<root>/.cache/manifests/`); raises DatasetUnavailable with every problem found."""
     scan = scan_folder(base, (root if root is not None else base.parent) / ".cache" / "manifests")
     if scan.problems:
+        # indented below the `key: text` line a config problem is (dpadapter.settings.problems
+        # reads only lines indented by two spaces as problems of their own)
         raise DatasetUnavailable(
-            f"image folder {base}:\n" + "\n".join(f"- {p}" for p in scan.problems)
+            f"image folder {base}:"
+            + "".join("\n    - " + p.replace("\n  ", "\n        ") for p in scan.problems)
         )
     for note in scan.notes:
         if note not in _NOTED:

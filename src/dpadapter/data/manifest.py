@@ -114,7 +114,7 @@ def _write_cache(path: Path, entries: dict[str, Entry]) -> None:
 
 def _decode(path: Path, st: os.stat_result) -> Entry:
     """Read the bytes once: hash them, and decode them fully with PIL."""
-    from PIL import Image
+    from PIL import Image, UnidentifiedImageError
 
     data = path.read_bytes()
     sha = hashlib.sha256(data).hexdigest()
@@ -123,7 +123,8 @@ def _decode(path: Path, st: os.stat_result) -> Entry:
             img.load()
             return Entry(st.st_size, st.st_mtime_ns, sha, img.mode, None)
     except Exception as exc:  # PIL raises many kinds for a bad file
-        return Entry(st.st_size, st.st_mtime_ns, sha, None, f"{type(exc).__name__}: {exc}")
+        why = "no image format PIL knows" if isinstance(exc, UnidentifiedImageError) else exc
+        return Entry(st.st_size, st.st_mtime_ns, sha, None, f"{type(exc).__name__}: {why}")
 
 
 def _entries(paths: dict[str, Path], cache: Path) -> dict[str, Entry]:
