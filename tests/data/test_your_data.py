@@ -209,3 +209,36 @@ def test_mixed_grey_and_colour_is_colour(tmp_path):
     base = _digits(tmp_path / "d")
     Image.new("RGB", (8, 8), (1, 2, 3)).save(base / "train" / "0" / "rgb.png")
     assert imf.read_listing(base).channels == 3
+
+
+def test_torchvision_files_are_fingerprinted_by_content(tmp_path):
+    folder = tmp_path / "cifar-10-batches-py"
+    assert data_fingerprint("cifar10", tmp_path) is None  # not fetched yet
+    folder.mkdir()
+    for name in ("data_batch_1", "test_batch"):
+        (folder / name).write_bytes(name.encode() * 10)
+    first = data_fingerprint("cifar10", tmp_path)
+    (folder / "test_batch").touch()
+    assert data_fingerprint("cifar10", tmp_path) == first
+    (folder / "test_batch").write_bytes(b"edited")
+    assert data_fingerprint("cifar10", tmp_path) != first
+
+
+def test_fashion_mnist_unpacked_or_packed_has_one_fingerprint(tmp_path, monkeypatch):
+    """Before the first job unpacks the idx files, their packed copies are read: unpacking
+    changes no trigger."""
+    import gzip
+
+    from dpadapter.data import sources
+
+    packed = tmp_path / "debian"
+    packed.mkdir()
+    for i, f in enumerate(sources._FMNIST_FILES):
+        with gzip.open(packed / f"{f}.gz", "wb") as out:
+            out.write(bytes([i]) * 100)
+    monkeypatch.setenv(sources.FMNIST_ENV, str(packed))
+    root = tmp_path / "data"
+    before = data_fingerprint("fashion-mnist", root)
+    sources.prepare_fashion_mnist(root, download=False)
+    assert (root / "FashionMNIST" / "raw" / sources._FMNIST_FILES[0]).is_file()
+    assert data_fingerprint("fashion-mnist", root) == before is not None
