@@ -92,17 +92,19 @@ def save_table3_checkpoints(folder: Path) -> dict[str, dict]:
     return out
 
 
-def write_image_folder(base: Path, classes: int, train: int, val: int, side: int = 32) -> None:
-    """An ImageFolder tree (`imagefolder:` datasets): a colour and a noise level per class."""
+def write_image_folder(base: Path, classes: int, train: int, test: int, side: int = 32) -> None:
+    """An ImageFolder tree (`imagefolder:` datasets): a colour and a noise level per class; no
+    test/ class folder where `test` is 0 (an empty class folder is refused)."""
     import numpy as np
     from PIL import Image
 
     rng = np.random.default_rng(classes)
     for c in range(classes):
         colour = rng.integers(0, 256, 3)
-        for split, n in (("train", train), ("val", val)):
+        for split, n in (("train", train), ("test", test)):
             d = base / split / f"c{c:03d}"
-            d.mkdir(parents=True, exist_ok=True)
+            if n:
+                d.mkdir(parents=True, exist_ok=True)
             for i in range(n):
                 noise = rng.integers(-40, 40, (side, side, 3))
                 pixels = np.clip(colour + noise, 0, 255).astype("uint8")

@@ -23,21 +23,22 @@ CLASSES = {
 }
 
 
-def _write_folder(root):
+def _write_folder(root, test="test"):
     from PIL import Image
 
     base = root / "pics" / "tiny"
     for cls, (rgb, n_train, n_val) in CLASSES.items():
-        for split, n in (("train", n_train), ("val", n_val)):
+        for split, n in (("train", n_train), (test, n_val)):
             d = base / split / cls
-            d.mkdir(parents=True, exist_ok=True)
+            if n:  # a class without test images has no folder there
+                d.mkdir(parents=True, exist_ok=True)
             for i in range(n):
-                size = (16 + 4 * i, 12 + 2 * i)  # sizes differ: each is resized to 8x8
+                # sizes differ (each is resized to 8x8), so no test image is a train image
+                size = (16 + 4 * i + 2 * (split != "train"), 12 + 2 * i)
                 if cls == "moth" and i == 0:
                     Image.new("L", size, rgb[0]).save(d / f"{i}.png")  # grey: becomes RGB
                 else:
                     Image.new("RGB", size, rgb).save(d / f"{i}.png")
-    (base / "train" / "ant" / "notes.txt").write_text("not an image")
     return base
 
 
@@ -92,10 +93,10 @@ def test_missing_folder_and_bad_names_fail_validation_naming_the_key(tmp_path, r
         validate(raw)
     import shutil
 
-    shutil.rmtree(root / "pics" / "tiny" / "val")
-    with pytest.raises(ConfigError, match=r"public\.dataset: .*tiny/val is not a folder"):
+    shutil.rmtree(root / "pics" / "tiny" / "train")
+    with pytest.raises(ConfigError, match=r"public\.dataset: (.|\n)*tiny/train is not a folder"):
         validate(_raw(root), check_files=True)
-    assert "tiny/val is not a folder" in missing_files(NAME, root, False)
+    assert "tiny/train is not a folder" in missing_files(NAME, root, False)
 
 
 def test_images_are_resized_once_and_read_from_the_cache_after(root, monkeypatch):
@@ -133,14 +134,15 @@ def test_build_splits_carves_roles_from_the_folder(root, monkeypatch):
 def test_unreadable_layouts_are_refused(tmp_path):
     base = tmp_path / "f"
     (base / "train" / "a").mkdir(parents=True)
-    (base / "val").mkdir(parents=True)
-    with pytest.raises(DatasetUnavailable, match="val has no class folders"):
+    (base / "test").mkdir(parents=True)
+    with pytest.raises(DatasetUnavailable, match="test has no class folders"):
         imf.read_listing(base)
-    (base / "val" / "a").mkdir()
+    (base / "test" / "a").mkdir()
     with pytest.raises(DatasetUnavailable, match="without images"):
         imf.read_listing(base)
-    (base / "train" / "a" / "x.png").write_bytes(b"")
-    (base / "val" / "b").mkdir()
+    _png(base / "train" / "a" / "x.png", 1)
+    _png(base / "test" / "a" / "x.png", 2)
+    _png(base / "test" / "b" / "y.png", 3)
     with pytest.raises(DatasetUnavailable, match="not in train"):
         imf.read_listing(base)
     assert imf.parse_spec("a/b@32") == ("a/b", 32)
@@ -149,29 +151,30 @@ def test_unreadable_layouts_are_refused(tmp_path):
             imf.parse_spec(bad)
 
 
-def test_one_process_lists_the_folder_once_for_validation_and_once_to_load(root, monkeypatch):
-    """Validation reads the listing afresh; the file check and load_dataset right after reuse
-    it (a listing of ImageNet costs seconds); the loader lists again, as it reads the images."""
+def test_each_image_is_decoded_once_for_validation_and_never_again_to_load(root, monkeypatch):
+    """Validation decodes every image once (the manifest, dpadapter.data.manifest); the checks
+    of loading (and of a new validation) only stat them; the loader decodes them to tensors
+    once, and later loads read the tensor cache."""
+    from dpadapter.data import manifest
     from dpadapter.data.registry import load_dataset
 
     calls = []
-    real = imf.read_listing
-    monkeypatch.setattr(imf, "read_listing", lambda base: calls.append(base) or real(base))
+    real = manifest._decode
+    monkeypatch.setattr(manifest, "_decode", lambda p, st: calls.append(p) or real(p, st))
     cfg = validate(_raw(root), check_files=True)
-    assert len(calls) == 1
+    assert len(calls) == 20
     load_dataset(NAME, cfg.data.root)
-    assert len(calls) == 2
-    validate(_raw(root))  # a new validation reads the folder again
-    assert len(calls) == 3
+    validate(_raw(root))
+    assert len(calls) == 20
 
 
-def test_a_val_split_without_images_loads_and_test_sets_come_from_train(tmp_path, monkeypatch):
-    """val/ with class folders but no image (the test sets are carved from train/ with
-    `test_split: train`): it validates, loads, is cached and read back; a role that wants test
-    images from it is refused at validation, naming its key."""
+def test_without_a_test_folder_the_test_sets_come_from_train(tmp_path, monkeypatch):
+    """No test/ folder (the test sets are carved from train/ with `test_split: train`): it
+    validates, loads, is cached and read back; a role that wants test images from the missing
+    split is refused at validation, naming its key."""
     root = tmp_path / "data"
     for cls in ("a", "b"):
-        _write_class(root / "pics" / "tiny", cls)
+        _write_class(root / "pics" / "tiny", cls, seed=ord(cls))
     raw = _raw(root)
     raw["public"] = {"dataset": NAME, "n_train": 2, "n_test": 2, "test_split": "train"}
     t = {"dataset": NAME, "n_train": 2, "n_val": 1, "n_test": 1, "test_split": "train"}
@@ -190,10 +193,17 @@ def test_a_val_split_without_images_loads_and_test_sets_come_from_train(tmp_path
         validate(raw)
 
 
-def _write_class(base, cls, n_train=5):
+def _png(path, seed, mode="RGB", size=(8, 8)):
+    """An image of its own content (random pixels from `seed`)."""
+    import numpy as np
     from PIL import Image
 
-    (base / "val" / cls).mkdir(parents=True)
-    (base / "train" / cls).mkdir(parents=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    shape = (size[1], size[0]) + ((3,) if mode == "RGB" else ())
+    pixels = np.random.default_rng(seed).integers(0, 256, shape, dtype=np.uint8)
+    Image.fromarray(pixels, mode).save(path)
+
+
+def _write_class(base, cls, n_train=5, seed=0, mode="RGB"):
     for i in range(n_train):
-        Image.new("RGB", (8, 8), (40 * i, 0, 0)).save(base / "train" / cls / f"{i}.png")
+        _png(base / "train" / cls / f"{i}.png", seed * 1000 + i, mode)

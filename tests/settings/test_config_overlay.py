@@ -157,22 +157,19 @@ def test_a_json_overlay_is_merged_and_pointed_at_too(in_tmp):
 
 
 def test_a_cross_field_problem_the_overlay_brings_is_pointed_at_the_overlay(in_tmp):
-    """The overlay changes the tasks; the base's federated.task no longer names one. The fix
+    """The overlay lowers audit.canaries; the base's audit.guesses no longer fit. The fix
     belongs in the overlay (the base is a shipped file, right on its own): the message points at
-    the overlay's `unset:` and names the base's line that holds the value (issue 36, 2)."""
-    top = "base: ../config.yaml\nunset: [tasks.fmnist-shift]\nsweeps: {tasks: [fmnist-same]}\n"
+    the overlay's line and names the base's line that holds the value (issue 36, 2). (An
+    overlay's `unset:` of a task takes the base's mentions of it along: test_task_refs.py.)"""
+    top = "base: ../config.yaml\naudit:\n  canaries: 100\n"
     _overlay(in_tmp, DEFAULT_TEXT, top)
     with pytest.raises(ConfigError) as info:
         load("configs/top.yaml")
     msg = str(info.value)
-    fed = _line_of(DEFAULT_TEXT, "  task: fmnist-shift", _line_of(DEFAULT_TEXT, "federated:"))
-    assert "  configs/top.yaml:2: federated.task: unknown task 'fmnist-shift'" in msg, msg
-    assert f"(federated.task is written at config.yaml:{fed}, which this file's changes" in msg
-    assert "set federated.task in configs/top.yaml" in msg, msg
-    # a list item cannot be unset: no such advice for it
-    grid = "  configs/top.yaml:2: finetune.extra_grids.0.tasks: unknown task 'fmnist-shift'"
-    line = next(x for x in msg.splitlines() if x.startswith(grid))
-    assert "unset" not in line.split("(", 1)[1], line
+    at = _line_of(DEFAULT_TEXT, "  guesses:", _line_of(DEFAULT_TEXT, "audit:"))
+    assert "  configs/top.yaml:3: audit.guesses: every k needs 2k <= audit.canaries" in msg, msg
+    assert f"(audit.guesses is written at config.yaml:{at}, which this file's changes" in msg
+    assert "set audit.guesses in configs/top.yaml" in msg, msg
 
 
 def test_a_list_the_overlay_replaces_is_pointed_at_in_the_overlay(in_tmp):

@@ -238,29 +238,32 @@ def test_a_key_the_code_has_no_default_for_gets_no_unset_advice(tmp_path, monkey
 
 
 def test_a_warning_caused_three_files_down_names_that_file_and_line(tmp_path, monkeypatch):
-    """top.yaml -> mid.yaml -> low.yaml -> config.yaml, where low.yaml's `unset: [tasks]`
-    leaves sweeps.tasks naming a task that is gone: the warning pointed at config.yaml's line
-    of sweeps.tasks, a file no overlay wrote the cause in (issue 50)."""
+    """top.yaml -> mid.yaml -> low.yaml -> config.yaml, where low.yaml lowers audit.canaries
+    below what config.yaml's audit.guesses need: the warning pointed at config.yaml's line of
+    audit.guesses, a file no overlay wrote the cause in (issue 50). (low.yaml's `unset: [tasks]`
+    takes config.yaml's mentions of its tasks along: tests/settings/test_task_refs.py.)"""
     monkeypatch.chdir(tmp_path)
     Path("config.yaml").write_text(DEFAULT_TEXT)
     Path("configs").mkdir()
     task = "    dataset: fashion-mnist\n    classes: [5, 6, 7, 8, 9]\n    n_train: 2000\n"
     Path("configs/low.yaml").write_text(
         "base: ../config.yaml\nresults_dir: results/low\nunset: [tasks]\n"
-        f"tasks:\n  mine:\n{task}finetune:\n  extra_grids: []\n"
+        f"tasks:\n  mine:\n{task}audit:\n  canaries: 100\n"
     )
     Path("configs/mid.yaml").write_text("base: low.yaml\nresults_dir: results/mid\n")
     top = Path("configs/top.yaml")
     top.write_text("base: mid.yaml\nresults_dir: results/top\nfinetune:\n  seeds: [0]\n")
     _, deferred = validate_scoped(read_raw(top), [top])
-    sweeps = "\n".join(line for _, line in deferred["sweeps"])
-    at = _line_of(DEFAULT_TEXT, "  tasks: [fmnist-shift]", _line_of(DEFAULT_TEXT, "sweeps:"))
-    assert sweeps == (
-        "  configs/low.yaml:3: sweeps.tasks: unknown task 'fmnist-shift' (sweeps.tasks is "
-        f"written at config.yaml:{at}, which configs/low.yaml's changes make wrong: set "
-        "sweeps.tasks in configs/top.yaml, or add it to `unset:` there for the code's default)"
-    ), sweeps
+    assert list(deferred) == ["audit"], deferred
+    audit = "\n".join(line for _, line in deferred["audit"])
+    at = _line_of(DEFAULT_TEXT, "  guesses:", _line_of(DEFAULT_TEXT, "audit:"))
+    assert audit.startswith("  configs/low.yaml:10: audit.guesses: every k needs 2k"), audit
+    assert audit.endswith(
+        f"(audit.guesses is written at config.yaml:{at}, which configs/low.yaml's changes make "
+        "wrong: set audit.guesses in configs/top.yaml, or add it to `unset:` there for the "
+        "code's default)"
+    ), audit
     assert "config.yaml:" not in warning(deferred).replace("written at config.yaml:", "")
     # the advice works
-    top.write_text(top.read_text() + "sweeps:\n  tasks: [mine]\n")
-    assert "sweeps" not in validate_scoped(read_raw(top), [top])[1]
+    top.write_text(top.read_text() + "audit:\n  guesses: [20]\n")
+    assert "audit" not in validate_scoped(read_raw(top), [top])[1]

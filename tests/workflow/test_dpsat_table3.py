@@ -46,9 +46,9 @@ def make_workdir(wd: Path, seeds: list[int] | None = None) -> Path:
     external = save_table3_checkpoints(wd / "weights")
     for params in external.values():
         params["weights"]["file"] = str(Path(params["weights"]["file"]).relative_to(wd))
-    write_image_folder(wd / "data" / "c10", classes=10, train=20, val=6)
-    # CIFAR-100's test images come from its training split (`test_split: train`): no val images
-    write_image_folder(wd / "data" / "c100", classes=100, train=3, val=0)
+    write_image_folder(wd / "data" / "c10", classes=10, train=20, test=6)
+    # CIFAR-100's test images come from its training split (`test_split: train`): no test folder
+    write_image_folder(wd / "data" / "c100", classes=100, train=3, test=0)
     overlay = {
         "base": "dpsat-table3.yaml",
         "results_dir": RESULTS,

@@ -124,6 +124,7 @@ def test_a_config_keeps_its_outputs_and_refuses_to_overwrite_another(tiny_raw, t
     r = _snakemake(wd, "results/warmup/model.pt")
     assert r.returncode != 0
     assert "refusing to run" in r.stdout + r.stderr
+    assert "Traceback" not in r.stdout + r.stderr and "RuntimeError" not in r.stdout + r.stderr
     assert (model.stat().st_mtime_ns, model.read_bytes()) == before
     # ... its own results_dir keeps both ...
     r = _snakemake(wd, "-n", "results-b/warmup/model.pt", "--config", "results_dir=results-b")
@@ -174,9 +175,9 @@ def test_the_rerun_trigger_version_of_a_folder(tiny_raw, tmp_path):
 
     tiny_raw["results_dir"] = str(tmp_path / "new")
     cfg = from_dict(tiny_raw)
-    assert fingerprint_version(cfg) == CURRENT_VERSION == 2
+    assert fingerprint_version(cfg) == CURRENT_VERSION == 3
     record(cfg)
-    assert json.loads((tmp_path / "new" / IDENTITY_FILE).read_text())["fingerprints"] == 2
+    assert json.loads((tmp_path / "new" / IDENTITY_FILE).read_text())["fingerprints"] == 3
     # a folder of finished jobs built before the version existed (no identity, or one without)
     tiny_raw["results_dir"] = str(tmp_path / "old")
     old = from_dict(tiny_raw)

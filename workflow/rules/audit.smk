@@ -14,7 +14,7 @@ rule audit_run:
         record=f"{RESULTS}/audit/{{algo}}/eps{{eps}}/audit.json",
     params:
         **JOB_PARAMS,
-        fp=lambda wc: stage_fingerprint(config, "audit", wc),
+        fp=lambda wc: job_fp("audit", wc),
         out=lambda wc, output: str(Path(output.record).parent),
     log:
         f"{RESULTS}/logs/audit/{{algo}}/eps{{eps}}.log",

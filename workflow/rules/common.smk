@@ -9,10 +9,12 @@ from pathlib import Path
 
 from snakemake.exceptions import WorkflowError
 
+from dpadapter.data.registry import data_fingerprint as _data_fingerprint
 from dpadapter.ground import atomic as _atomic
 from dpadapter import settings as _config
 from dpadapter.workflow import dvc_sync as _dvc_sync
 from dpadapter.workflow import identity as _identity
+from dpadapter.workflow import keep as _keep
 from dpadapter.launch import prefork as _prefork
 from dpadapter.validation import optional_sections as _sections
 from dpadapter.workflow import snakemake_adapter as _smk
@@ -93,6 +95,26 @@ FP_VERSION = _identity.fingerprint_version(CFG)
 FP_PINS = _identity.fingerprint_pins(CFG)
 if _IDENTITY_WARNING:
     print(f"warning: {_IDENTITY_WARNING}", file=sys.stderr)
+
+# The content of every dataset the config reads (dpadapter.data.data_fingerprint: hashes kept by
+# path, size and mtime, so an unchanged folder costs a stat per file): part of the rerun trigger
+# of each job that reads it, so an image added, removed or edited reruns exactly those jobs;
+# said here when it changed since the folder's last run (dpadapter.workflow.identity). A folder
+# begun before data triggers keeps its finished jobs' triggers: the datasets they were built
+# from are left out there (identity.untriggered_data).
+_UNTRIGGERED = _identity.untriggered_data(CFG)
+DATA_FPS = {}
+for _role in [CFG.public, *CFG.tasks.values()]:
+    if _role.dataset not in _UNTRIGGERED and _role.dataset not in DATA_FPS:
+        DATA_FPS[_role.dataset] = _data_fingerprint(_role.dataset, CFG.data.root)
+_DATA_NOTE = _identity.data_changes(CFG, DATA_FPS)
+if _DATA_NOTE and _smk.is_main_process(workflow):
+    print(f"note: {_DATA_NOTE}", file=sys.stderr)
+
+
+def job_fp(stage, wildcards=None):
+    """The `fp` param of a `stage` job: the config it reads and, from version 3, its data."""
+    return stage_fingerprint(config, stage, wildcards, FP_VERSION, FP_PINS, DATA_FPS)
 
 # `dvc pull` restores files with times in no particular order; outputs that are exactly what
 # dvc.lock records are put back into build order before Snakemake compares times
@@ -211,8 +233,18 @@ wildcard_constraints:
 _OWN_SERVERS = []
 
 
+# The outputs a run's jobs will replace, kept until it ends (dpadapter.workflow.keep).
+_KEPT = []
+
+
 onstart:
-    _identity.before_run(CFG)
+    _identity.before_run(CFG, DATA_FPS)
+    # a rerun that fails gets its previous outputs back in onerror
+    _KEPT.append(
+        _keep.keep(
+            RESULTS, _smk.outputs_to_run(workflow), lambda p: _smk.metadata_record(workflow, p)
+        )
+    )
     _write_config_file()
     # The effective config (bases merged, --config applied) beside the results it produced.
     _config.write_merged(config, RESULTS, _CONFIG_FILES)
@@ -243,6 +275,7 @@ onstart:
 
 # Record what a successful run built in dvc.lock, so `dvc push` uploads it (dpadapter.workflow.dvc_sync).
 onsuccess:
+    _keep.discard(_KEPT[0] if _KEPT else None)
     _prefork.stop(os.pathsep.join(_OWN_SERVERS))
     if _OWN_SERVERS:
         os.environ.pop(_prefork.ENV, None)
@@ -250,6 +283,15 @@ onsuccess:
 
 
 onerror:
+    _restored = _keep.restore(
+        _KEPT[0] if _KEPT else None, lambda p, r: _smk.put_metadata_record(workflow, p, r)
+    )
+    if _restored:
+        print(
+            f"kept: the previous outputs of the failed jobs are back ({len(_restored)} files, "
+            f"e.g. {_restored[0]}); they are still outdated and rerun next time",
+            file=sys.stderr,
+        )
     _prefork.stop(os.pathsep.join(_OWN_SERVERS))
     if _OWN_SERVERS:
         os.environ.pop(_prefork.ENV, None)

@@ -21,7 +21,7 @@ rule federated_run:
         rounds="[0-9]+",
     params:
         **JOB_PARAMS,
-        fp=lambda wc: stage_fingerprint(config, "federated", wc),
+        fp=lambda wc: job_fp("federated", wc),
         out=lambda wc, output: str(Path(output.metrics).parent),
     log:
         f"{RESULTS}/logs/federated/{{upstream}}/{{strategy}}/{{mechanism}}/eps{{eps}}/T{{rounds}}/seed{{seed}}.log",

@@ -10,7 +10,7 @@ rule finetune:
         model=f"{RESULTS}/finetune/{{upstream}}/{{task}}/{{algo}}/eps{{eps}}/seed{{seed}}/model.pt",
     params:
         **JOB_PARAMS,
-        fp=lambda wc: stage_fingerprint(config, "finetune", wc, FP_VERSION, FP_PINS),
+        fp=lambda wc: job_fp("finetune", wc),
         out=lambda wc, output: str(Path(output.metrics).parent),
     log:
         f"{RESULTS}/logs/finetune/{{upstream}}/{{task}}/{{algo}}/eps{{eps}}/seed{{seed}}.log",

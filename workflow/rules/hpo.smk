@@ -31,7 +31,7 @@ rule hpo_plan:
         plan=f"{HPO_DIR}/plan.json",
     params:
         **JOB_PARAMS,
-        fp=lambda wc: stage_fingerprint(config, "hpo", wc),
+        fp=lambda wc: job_fp("hpo", wc),
     log:
         f"{HPO_LOG}/plan.log",
     threads: 1

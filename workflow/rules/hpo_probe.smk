@@ -22,7 +22,7 @@ rule hpo_features:
         features=f"{PROBE_DIR}/features.pt",
     params:
         **JOB_PARAMS,
-        fp=lambda wc: stage_fingerprint(config, "hpo-probe", wc),
+        fp=lambda wc: job_fp("hpo-probe", wc),
     log:
         f"{PROBE_LOG}/features.log",
     threads: 1
@@ -43,7 +43,7 @@ rule hpo_probe_oracle:
         oracle=f"{PROBE_DIR}/oracle.json",
     params:
         **JOB_PARAMS,
-        fp=lambda wc: stage_fingerprint(config, "hpo-probe", wc),
+        fp=lambda wc: job_fp("hpo-probe", wc),
     log:
         f"{PROBE_LOG}/oracle.log",
     threads: 1
@@ -64,7 +64,7 @@ rule hpo_probe_seed:
         run=f"{PROBE_DIR}/seed{{seed}}.json",
     params:
         **JOB_PARAMS,
-        fp=lambda wc: stage_fingerprint(config, "hpo-probe", wc),
+        fp=lambda wc: job_fp("hpo-probe", wc),
     log:
         f"{PROBE_LOG}/seed{{seed}}.log",
     threads: 1

@@ -7,7 +7,7 @@ rule pretrain:
         metrics=f"{RESULTS}/pretrain/{{upstream}}/metrics.json",
     params:
         **JOB_PARAMS,
-        fp=lambda wc: stage_fingerprint(config, "pretrain", wc),
+        fp=lambda wc: job_fp("pretrain", wc),
         out=out_dir,
         warmup=lambda wc, input: f"--warmup {input.warmup}" if "warmup" in input.keys() else "",
     log:

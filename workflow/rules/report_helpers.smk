@@ -5,17 +5,25 @@
 # nothing.
 from dpadapter.stages import report as _report_page
 
-# Numbered so Snakemake, which sorts sections by name, shows them in this order.
-REPORT_SECTIONS = {
-    "finetune": "1. Fine-tuning",
-    "upstream": "2. Upstream robustness",
-    "sweeps": "2. Upstream robustness",
-    "hpo": "3. HPO",
-    "federated": "4. Federated",
-    "audit": "5. Audit",
-    "validity": "6. Validity",
-    "speed": "7. Speed",
+
+def report_made(path):
+    """An optional stage is reported once its summary exists, i.e. once it has been run."""
+    return Path(path).exists()
+
+
+# The sections the report shows (an optional stage's once its summary is on disk, as
+# report.smk includes its pages), numbered in order without gaps (dpadapter.stages.report).
+REPORT_SHOWN = {"finetune", "upstream", "speed"} | {
+    section
+    for section, summary in (
+        ("hpo", "summary/hpo.md"),
+        ("federated", "summary/federated_rule.json"),
+        ("audit", "summary/audit.md"),
+        ("validity", "summary/validity.md"),
+    )
+    if report_made(f"{RESULTS}/{summary}")
 }
+REPORT_SECTIONS = _report_page.section_titles(REPORT_SHOWN)
 REPORT_CONFIGS = ", ".join(_CONFIG_FILES) or "config.yaml"
 
 
@@ -26,11 +34,6 @@ def report_about(*sections):
         return {s: _report_page.about(CFG, s, REPORT_CONFIGS) for s in sections}
 
     return about
-
-
-def report_made(path):
-    """An optional stage is reported once its summary exists, i.e. once it has been run."""
-    return Path(path).exists()
 
 
 def report_figure(path, name, section):

@@ -5,7 +5,7 @@ rule warmup:
         metrics=f"{RESULTS}/warmup/metrics.json",
     params:
         **JOB_PARAMS,
-        fp=stage_fingerprint(config, "warmup"),
+        fp=job_fp("warmup"),
         out=out_dir,
     log:
         f"{RESULTS}/logs/warmup.log",

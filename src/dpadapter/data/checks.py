@@ -79,29 +79,32 @@ def data_problems(cfg: Config) -> list[str]:
 
 
 def _channel_problems(known: list[tuple[str, SplitConfig]]) -> list[str]:
-    """Every role must reach the model with the public set's channels (one model for all)."""
+    """Every role must reach the model with the public set's channels (one model for all).
+
+    The rule (docs/your-data.md): a role's images keep their own channels (a grey image folder
+    is 1-channel, the default's grey upstreams take it as it is); `channels` on a role converts,
+    1 -> 3 by replicating the grey value, 3 -> 1 by luminance (PIL's L = 0.299 R + 0.587 G +
+    0.114 B). A mismatch is refused naming both fixes, the role's `channels` first: changing
+    `public.channels` retrains the warm-up."""
 
     def channels(split: SplitConfig) -> int | None:
         own = DATASET_INFO[split.dataset].channels
-        if own is None or split.channels is None or own == split.channels:
-            return own
-        return split.channels if own == 1 else -own  # -own: cannot be converted
+        return own if own is None or split.channels is None else split.channels
 
     out, public = [], None
     for where, split in known:
         c = channels(split)
-        if c is not None and c < 0:
-            out.append(
-                f"{where}.channels: {split.dataset} has {-c}-channel images; only 1-channel "
-                "images can be replicated"
-            )
-        elif where == "public":
+        if where == "public":
             public = c
         elif c is not None and public is not None and c != public:
-            hint = f"; set {where}.channels: {public}" if c == 1 else ""
+            own = DATASET_INFO[split.dataset].channels
+            how = "replicated" if c == 1 else "converted to grey by luminance"
+            kind = "grey" if c == 1 else "colour"
+            instead = "" if own == c else f" instead of {c}"
             out.append(
-                f"{where}: {split.dataset} gives {c}-channel images, the public set "
-                f"{public}-channel ones{hint}"
+                f"{where}: {split.dataset} gives {c}-channel images ({kind}), the public set "
+                f"{public}-channel ones; set {where}.channels: {public} (its images {how})"
+                f"{instead}, or public.channels: {c} (retrains the warm-up and every upstream)"
             )
     return out
 

@@ -67,6 +67,9 @@ class DatasetInfo:
     # the files and folders (under data.root) the loader reads, whose sizes and mtimes key its
     # tensor cache (`tensor_cache`); None: never cached (made by code, as fast as a cache read)
     sources: Callable[[Path], list[Path]] | None = None
+    # the content fingerprint of what the loader reads (`data_fingerprint`), for the workflow's
+    # rerun triggers; None: the files named by `sources` are hashed
+    fingerprint: Callable[[Path], str | None] | None = None
 
     @property
     def num_classes(self) -> int:
@@ -152,6 +155,27 @@ def missing_files(name: str, root: str | Path, download: bool) -> str | None:
     if name not in DATASET_INFO:
         return f"unknown dataset {name!r}; known: {sorted(DATASETS)}"
     return DATASET_INFO[name].missing(Path(root), download)
+
+
+def data_fingerprint(name: str, root: str | Path) -> str | None:
+    """A hash of the content the loader of `name` reads (not of paths or mtimes), so a job's
+    rerun trigger changes exactly when its data does; None for data made by code (nothing to
+    change) or files not fetched yet. Hashes are remembered by path, size and mtime
+    (`dpadapter.data.manifest`): only a new or changed file is read."""
+    from dpadapter.data.manifest import file_fingerprint
+
+    if resolve_dataset(name, root) is not None or name not in DATASET_INFO:
+        return None
+    info, root = DATASET_INFO[name], Path(root)
+    if info.fingerprint is not None:
+        return info.fingerprint(root)
+    if info.sources is None:
+        return None
+    files = {
+        str(p.relative_to(root)) if p.is_relative_to(root) else p.name: p
+        for p in info.sources(root)
+    }
+    return file_fingerprint(files, root / ".cache" / "manifests")
 
 
 def load_dataset(

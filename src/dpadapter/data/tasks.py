@@ -130,6 +130,11 @@ def _to_float(
     if image_size is not None and x.shape[-1] != image_size:
         x = F.interpolate(x, size=(image_size, image_size), mode="bilinear", align_corners=False)
     if channels is not None and x.shape[1] != channels:
+        if x.shape[1] == 3 and channels == 1:
+            # A colour image as a grey one (a colour folder on the default's grey upstreams):
+            # luminance with PIL's weights (mode L), a public transformation.
+            w = torch.tensor([0.299, 0.587, 0.114], dtype=x.dtype).view(1, 3, 1, 1)
+            return (x * w).sum(dim=1, keepdim=True)
         if x.shape[1] != 1:
             raise SplitError(f"cannot turn {x.shape[1]}-channel images into {channels} channels")
         # A grey image as an RGB one (Pretrain-DPFL feeds Fashion-MNIST to an ImageNet

@@ -14,8 +14,9 @@ results folder), and is trusted only while it provably holds what the sources wo
   start together never read a half-written file (each may decode; the last rename wins, and
   all of them wrote the same bytes).
 
-The sources' contents are not hashed (seconds for large sets, every job): an image edited in
-place without its size or mtime changing is not noticed; delete `.cache/` after such an edit.
+The sources' contents are not hashed here (seconds for large sets, every job). An image
+folder's one source is its manifest (`dpadapter.data.manifest`), rewritten when any image is
+added, removed or edited (a changed size or mtime), so such an edit rebuilds the cache.
 """
 
 from __future__ import annotations

@@ -47,6 +47,7 @@ import yaml
 
 from dpadapter.ground import atomic
 from dpadapter.settings.errors import ConfigError
+from dpadapter.settings.task_refs import drop_task_references
 
 
 def shown_path(path: str | Path) -> str:
@@ -220,7 +221,10 @@ def read_chain(path: str | Path) -> dict[str, Any]:
         layer = read_one(p)
         layer.pop(BASE_KEY, None)
         if UNSET_KEY in layer:
+            before = set(raw.get("tasks") or {})
             raw = unset_keys(raw, layer.pop(UNSET_KEY), p)
+            # the base's keys naming the tasks it removed go with them (settings.task_refs)
+            raw = drop_task_references(raw, before - set(raw.get("tasks") or {}))
         raw = merge(raw, layer)
     return raw
 

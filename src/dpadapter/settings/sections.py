@@ -43,8 +43,8 @@ class SplitConfig:
     # the training data is test_split: train (configs/dpsat-table2*.yaml).
     train_split: str = "train"
     test_split: str = "test"
-    # Replicate 1-channel images to this many channels (null: as the source); e.g. 3 for a
-    # grey task on an RGB backbone (Pretrain-DPFL's Fashion-MNIST as 3x32x32).
+    # Convert the images to this many channels (null: as the source): 3 replicates a grey
+    # image (Pretrain-DPFL's Fashion-MNIST as 3x32x32), 1 makes a colour one grey (luminance).
     channels: int | None = None
 
 

@@ -48,6 +48,30 @@ _SEEDS = {
 }
 
 
+# The report's sections in order: (key, title); `sweeps` pages go under `upstream`.
+SECTIONS = (
+    ("finetune", "Fine-tuning"),
+    ("upstream", "Upstream robustness"),
+    ("hpo", "HPO"),
+    ("federated", "Federated"),
+    ("audit", "Audit"),
+    ("validity", "Validity"),
+    ("speed", "Speed"),
+)
+_UNDER = {"sweeps": "upstream"}
+
+
+def section_titles(present: set[str]) -> dict[str, str]:
+    """Section key -> its title, numbered 1, 2, 3, ... over the sections the report shows
+    (`present`), so Snakemake, which sorts sections by name, shows them in this order without
+    gaps; a section not shown gets the number after the last."""
+    shown = [k for k, _ in SECTIONS if k in present]
+    rest = [k for k, _ in SECTIONS if k not in present]
+    titles = dict(SECTIONS)
+    out = {k: f"{i}. {titles[k]}" for i, k in enumerate(shown + rest, start=1)}
+    return {**out, **{k: out[v] for k, v in _UNDER.items()}}
+
+
 def about(cfg: Config, section: str, config_names: str) -> str:
     """Config, seeds and the meaning of ε, in one line."""
     p = cfg.privacy

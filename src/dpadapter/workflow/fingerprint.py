@@ -164,7 +164,12 @@ _FINETUNE = without("finetune", FINETUNE_GRID)
 # triggers read the list it was built with (`pins`, dpadapter.workflow.identity.fingerprint_pins),
 # not the config's: its finished jobs are carried over, and a grown list adds jobs, as in
 # version 2.
-CURRENT_VERSION = 2
+# Version 3 adds the content of the data each job reads (`data_part`) to its trigger. A version
+# 1 or 2 folder's finished jobs were built without it, and would all rerun if it appeared in
+# their triggers: there, the datasets they were built from are left out of `data`
+# (dpadapter.workflow.identity.untriggered_data), and only datasets new to the folder count.
+CURRENT_VERSION = 3
+DATA_VERSION = 3
 # The pinned key of a version 1 folder, as `pins` names it (absent from `pins`: no such key).
 PINNED_UPSTREAMS = "finetune.upstreams"
 _AUDIT = without("audit", AUDIT_GRID)
@@ -207,6 +212,42 @@ STAGES: dict[str, Stage] = {
 _FINETUNE_V2 = Stage(STAGES["finetune"].sections, ((_FINETUNE, algo_params, task),))
 
 
+def _first_task(config: Mapping[str, Any]) -> str | None:
+    return next(iter(config.get("tasks") or {}), None)
+
+
+def _roles_read(config: Mapping[str, Any], stage: str, wildcards: Any) -> list[str]:
+    """The roles (public, task names) whose examples a job of `stage` reads, as its entry
+    point picks them (dpadapter.audit.canaries, .audit.federated, dpadapter.federated.stage)."""
+    if stage in ("warmup", "pretrain"):
+        return ["public"]
+    if stage in ("finetune", "hpo", "hpo-probe"):
+        return [str(wildcards["task"])]
+    audit, fed = config.get("audit") or {}, config.get("federated") or {}
+    if stage == "audit" and not str(_wildcard(wildcards, "algo") or "").startswith("federated"):
+        return [audit.get("task") or _first_task(config)]
+    return [fed.get("task") or (audit.get("task") if stage == "audit" else None) or
+            _first_task(config)]  # fmt: skip
+
+
+def data_part(
+    config: Mapping[str, Any], stage: str, wildcards: Any, data: Mapping[str, str | None]
+) -> str:
+    """The content fingerprints (`data`: dataset name -> dpadapter.data.data_fingerprint) of
+    the datasets a job reads: its roles' own, and the public set's while the normalisation is
+    computed from it (every role is normalised by the public training images' statistics).
+    Datasets made by code (None) add nothing, so a config of them alone keeps its value."""
+    roles = _roles_read(config, stage, wildcards)
+    if (config.get("data") or {}).get("normalization") is None:
+        roles = ["public", *roles]
+    names = set()
+    for role in roles:
+        entry = config.get("public") if role == "public" else (config.get("tasks") or {}).get(role)
+        if entry and data.get(entry.get("dataset")):
+            names.add(entry["dataset"])
+    return "data" + _json({n: data[n] for n in sorted(names)}) if names else ""
+
+
 def _json(value: Any) -> str:
     return json.dumps(value, sort_keys=True, default=str)
 
@@ -225,12 +266,14 @@ def stage_fingerprint(
     wildcards: Any = None,
     version: int = 1,
     pins: Mapping[str, Any] | None = None,
+    data: Mapping[str, str | None] | None = None,
 ) -> str:
     """The `fp` param of a `stage` job: it changes exactly when config the job reads changes.
 
     `wildcards`: the job's (Snakemake's Wildcards or a dict); stages whose parts read none
     (warmup) take None. `version`: the results folder's (`CURRENT_VERSION` for a new one);
     `pins`: a version 1 folder's `finetune.upstreams` as its jobs were built (None: the config's).
+    `data`: the content fingerprint of each dataset whose content counts (`data_part`).
     """
     spec = STAGES[stage]
     if version >= 2 and stage == "finetune":
@@ -246,4 +289,6 @@ def stage_fingerprint(
             out += _json(chunk(config, wildcards))
     if spec.plus:
         out += stage_fingerprint(config, spec.plus, wildcards)
+    if data:
+        out += data_part(config, stage, wildcards, data)
     return out

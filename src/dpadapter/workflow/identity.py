@@ -203,7 +203,8 @@ def check(cfg: Config) -> str | None:
         f"{folder}/ holds results of another config (config {stored.get('hash', '?')[:8]}, "
         f"written {stored.get('written', '?')}; this config is {config_hash(cfg)[:8]}).\n"
         f"  Sections that differ: {', '.join(names) or '(none)'}{detail}\n"
-        "  Running it re-runs every job those sections affect and overwrites its results.\n"
+        "  Running it re-runs every job those sections affect and overwrites its results "
+        "(a job that fails gets its previous ones back).\n"
         f"  To keep both, give this config its own folder: `results_dir: {folder}-<name>` in it "
         f"(or `--config results_dir={folder}-<name>`).\n"
         f"  To replace them on purpose, run with {OVERWRITE_ENV}=1."
@@ -254,8 +255,59 @@ def overwrite_allowed() -> bool:
     return os.environ.get(OVERWRITE_ENV, "").strip().lower() in {"1", "true", "yes"}
 
 
-def record(cfg: Config) -> Path:
-    """Write the identity of `cfg` into its results folder (atomically); keep earlier hashes."""
+# The content fingerprint of each dataset as the folder's last run read it.
+DATA_KEY = "data"
+# A folder begun before data triggers (fingerprint version < 3): the datasets its finished jobs
+# were built from, which keep triggers without data (`untriggered_data`).
+UNTRIGGERED_KEY = "data_untriggered"
+
+
+def _datasets(secs: dict[str, Any]) -> set[str]:
+    roles = [secs.get("public") or {}, *(secs.get("tasks") or {}).values()]
+    return {r["dataset"] for r in roles if isinstance(r, dict) and r.get("dataset")}
+
+
+def untriggered_data(cfg: Config) -> set[str]:
+    """Datasets whose content is left out of the rerun triggers in this folder.
+
+    None in a folder begun with data triggers (version 3). In an older folder, the datasets its
+    finished jobs were built from: putting their content in those jobs' triggers now would rerun
+    every one of them. A dataset the folder sees first after the upgrade (a researcher's own
+    folder added as a task) gets triggers there too. Read from the identity of the folder's last
+    run (the datasets of its config), or for a folder older than identities, this config's; kept
+    from then on (`record`)."""
+    from dpadapter.workflow.fingerprint import DATA_VERSION
+
+    if fingerprint_version(cfg) >= DATA_VERSION:
+        return set()
+    stored = read(cfg.results_dir)
+    if stored is not None and UNTRIGGERED_KEY in stored:
+        return set(stored[UNTRIGGERED_KEY])
+    return _datasets(stored.get("sections", {}) if stored is not None else sections(cfg))
+
+
+def data_changes(cfg: Config, data: dict[str, str | None]) -> str | None:
+    """Which datasets' content differs from what the folder's last run read (`record`), so
+    `snakemake -n` says why their jobs rerun; None when none does or nothing is recorded."""
+    stored = (read(cfg.results_dir) or {}).get(DATA_KEY)
+    if not stored:
+        return None
+    changed = [n for n, fp in sorted(data.items()) if n in stored and stored[n] != fp and fp]
+    if not changed:
+        return None
+    lines = "".join(
+        f"\n    {n}: content {str(stored[n])[:12]} -> {str(data[n])[:12]}" for n in changed
+    )
+    return (
+        f"the data changed since the last run in {cfg.results_dir}/:{lines}\n"
+        "  Every job that reads it reruns (its `fp` param holds the data's content fingerprint; "
+        "`snakemake --list-changes params` lists them)."
+    )
+
+
+def record(cfg: Config, data: dict[str, str | None] | None = None) -> Path:
+    """Write the identity of `cfg` into its results folder (atomically); keep earlier hashes,
+    and `data`, the content fingerprint of each dataset this run reads (`data_changes`)."""
     p = identity_path(cfg.results_dir)
     stored = read(cfg.results_dir) or {}
     h = config_hash(cfg)
@@ -263,21 +315,31 @@ def record(cfg: Config) -> Path:
     if stored.get("hash") and stored["hash"] != h:
         previous.append({"hash": stored["hash"], "written": stored.get("written")})
     pins = fingerprint_pins(cfg)  # before this write, as the version
+    from dpadapter.workflow.fingerprint import DATA_VERSION
+
+    old_folder = fingerprint_version(cfg) < DATA_VERSION
     payload = {
+        **({UNTRIGGERED_KEY: sorted(untriggered_data(cfg))} if old_folder else {}),
         **({PINS_KEY: pins} if pins is not None else {}),
         "fingerprints": fingerprint_version(cfg),  # before this write: a new folder's is current
         "hash": h,
         "written": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "previous": previous,
         "sections": sections(cfg),
+        **({DATA_KEY: {**stored.get(DATA_KEY, {}), **data}} if data else {}),
     }
     atomic.write_text(p, json.dumps(payload, indent=1, sort_keys=True) + "\n")
     return p
 
 
-def before_run(cfg: Config) -> None:
+class RefusedOverwrite(SystemExit):
+    """A real run would overwrite another config's results: said as a message, not a traceback
+    (Snakemake prints a SystemExit's text as it is)."""
+
+
+def before_run(cfg: Config, data: dict[str, str | None] | None = None) -> None:
     """Snakemake `onstart`: refuse to overwrite another config's results, else record ours."""
     message = check(cfg)
     if message is not None and not overwrite_allowed():
-        raise RuntimeError("refusing to run: " + message)
-    record(cfg)
+        raise RefusedOverwrite("refusing to run: " + message)
+    record(cfg, data)

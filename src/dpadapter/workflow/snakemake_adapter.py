@@ -18,6 +18,10 @@ of the pipeline in the middle of a run.
 - `runs_jobs_locally`, `jobs_to_run`: whether the jobs run on this machine, and how many will
   (the prefork server starts only for a local run of enough jobs).
 - `finished_outputs`: the outputs of every job of a finished run (recorded in dvc.lock).
+- `outputs_to_run`, `metadata_record`, `put_metadata_record`: the outputs of each job a run
+  will start, and Snakemake's record of how an output was built (its params, the rerun
+  trigger), kept with the previous outputs so a failed rerun puts both back
+  (`dpadapter.workflow.keep`).
 
 Checked on the Snakemake versions in `CHECKED_ON` (requirements.txt pins one of them);
 `check_version` refuses any other minor release before the workflow reads anything, with what to
@@ -135,3 +139,18 @@ def finished_outputs(workflow: Any) -> list[str]:
     if _read(workflow, "dag_settings.until") or _read(workflow, "dag_settings.omit_from"):
         return []
     return [str(f) for job in _read(workflow, "dag.jobs") for f in job.output]
+
+
+def outputs_to_run(workflow: Any) -> list[list[str]]:
+    """The outputs of each job this run will start (in onstart, once the DAG is built)."""
+    return [[str(f) for f in job.output] for job in _read(workflow, "dag").needrun_jobs()]
+
+
+def metadata_record(workflow: Any, path: str) -> Any:
+    """Snakemake's record of how `path` was built (None if it has none)."""
+    return _read(workflow, "persistence")._read_record(path)
+
+
+def put_metadata_record(workflow: Any, path: str, record: Any) -> None:
+    """Put back a record `metadata_record` read (a restored output is judged as it was)."""
+    _read(workflow, "persistence")._write_record(path, record)
