@@ -267,7 +267,7 @@ def budget_gain(text: str, low: str = "1", high: str = "4") -> tuple[float, floa
 
 
 def _dated(r: Record) -> str:
-    return f"{r.kind} `{r.command}` of {r.short}, {r.date}, {r.machine}"
+    return f"`{r.command}` on {r.short}, {r.date}, {r.machine}"
 
 
 def render_make_run(latest: dict[str, Record]) -> str:
@@ -285,7 +285,10 @@ def render_make_run(latest: dict[str, Record]) -> str:
         f"row. **DPAdapter − standard is {std['estimate']} points [{std['low']}, "
         f"{std['high']}], detectable from {std['detectable']}**; DPAdapter − the "
         f"compute-matched control {ctl['estimate']} [{ctl['low']}, {ctl['high']}], detectable "
-        f"from {ctl['detectable']} (pooled over cells and seeds, 95 %; 80 % power). "
+        f"from {ctl['detectable']} (pooled over cells and seeds, 95 %; 80 % power); three "
+        f"seeds are one draw of the noise, and another draw moves this by about a point ("
+        f"[docs/validity.md](docs/validity.md#a-new-noise-realisation-issue-47-the-3-seed-"
+        f"headline-does-not-survive-it)). "
         f"Record: {_dated(r)} ([docs/records/](docs/records/), [docs/measured.md]"
         f"(docs/measured.md)).\n"
     )
@@ -317,7 +320,7 @@ def render_gpu(latest: dict[str, Record], cells: list[Record] | None = None) -> 
     return (
         f"DP-SAT Table 2 on GPUs so far: {len(cells)} of {len(gpu_runs.PLAN)} cells "
         f"({cards}; {dates}; commits {commits}); ours − the paper's mean {min(off):+.2f} to "
-        f"{max(off):+.2f} points (seeds {seeds} of the paper's 5).\n"
+        f"{max(off):+.2f} points (seed {seeds}; the paper averages 5).\n"
     )
 
 
