@@ -4,7 +4,7 @@ A loan gives minutes, a cell of Table 2 takes several, so the table is built loa
 44). After a call of `bench/gpu/gpu_session.sh`, here, on the files that came back:
 
     python bench/gpu/gpu_runs.py collect /work/.device/N --loan 2026-11-28-h200 --commit SHA
-    python bench/gpu/gpu_runs.py table            # README.md and docs/gpu.md, between markers
+    python bench/gpu/gpu_runs.py table            # docs/gpu.md, between markers
     python bench/gpu/gpu_runs.py table --check    # exit 1 if they are out of date (a test)
 
 `collect` copies each finished cell (its metrics.json and the end of its log, never its
@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_session_table2 import CONFIG, DONE, PLAN, PROGRESS, collected  # noqa: E402
 
 MARK = "gpu-table2"  # <!-- gpu-table2:begin --> ... <!-- gpu-table2:end -->
-DOCS = (REPO / "README.md", REPO / "docs" / "gpu.md")
+DOCS = (REPO / "docs" / "gpu.md",)  # the README has a line of it (tools/readme_blocks.py)
 CELL = re.compile(
     r"table2/results/finetune/scratch/fmnist/(\w+)/eps([\d.]+)/seed(\d+)/metrics\.json$"
 )
@@ -191,8 +191,9 @@ def render(done: Path = DONE) -> str:
     return "\n".join(lines) + "\n"
 
 
-def replace_between(text: str, body: str) -> str:
-    begin, end = f"<!-- {MARK}:begin -->", f"<!-- {MARK}:end -->"
+def replace_between(text: str, body: str, mark: str = MARK) -> str:
+    """`text` with `body` between the markers `mark` (tools/readme_blocks.py's too)."""
+    begin, end = f"<!-- {mark}:begin -->", f"<!-- {mark}:end -->"
     if begin not in text or end not in text:
         raise SystemExit(f"no {begin} ... {end} markers")
     head, rest = text.split(begin, 1)
@@ -207,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("out", type=Path, help="the folder the call's files came back to")
     c.add_argument("--loan", required=True, help="e.g. 2026-11-28-h200")
     c.add_argument("--commit", required=True, help="the commit whose tree the call ran")
-    t = sub.add_parser("table", help="write the table into README.md and docs/gpu.md")
+    t = sub.add_parser("table", help="write the table into docs/gpu.md")
     t.add_argument("--check", action="store_true", help="exit 1 if a file is out of date")
     args = ap.parse_args(argv)
     if args.cmd == "collect":

@@ -1,8 +1,8 @@
 """bench/gpu/gpu_runs.py: DP-SAT Table 2 kept across short GPU loans (issue 44, item 2).
 
 A finished cell comes back in a call's artifacts, is collected once into docs/gpu-runs/cells/,
-and the next call skips it; the tables in the README and docs/gpu.md are generated from every
-collected cell and must not drift from them.
+and the next call skips it; the table in docs/gpu.md (and the README's line of it,
+tools/readme_blocks.py) is generated from every collected cell and must not drift from them.
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ def test_an_epsilon_that_is_not_the_accountants_refuses_the_whole_call(tmp_path)
     assert not list((tmp_path / "cells").rglob("*.json"))
 
 
-def test_the_tables_in_the_readme_and_gpu_doc_are_those_of_the_collected_cells():
+def test_the_table_in_the_gpu_doc_is_that_of_the_collected_cells():
     runs = import_bench("gpu_runs")
     assert runs.main(["table", "--check"]) == 0, "run: python bench/gpu/gpu_runs.py table"
     body = runs.render()
