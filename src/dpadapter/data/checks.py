@@ -98,9 +98,9 @@ def _val_split_problems(group: list[tuple[str, SplitConfig]], val_counts) -> lis
         if split.n_val not in (0, have):
             out.append(
                 f"{where}.n_val: {split.n_val}, but {split.dataset} has a validation split of "
-                f"its own (val/ beside test/) with {have} example(s) of the task's classes, "
-                f"used whole as its validation set; drop n_val (or set it to {have}), or move "
-                "val/'s images into train/ to carve n_val from there"
+                f"its own (val/ or validation/ beside test/) with {have} example(s) of its "
+                f"classes, used whole as its validation set; drop n_val (or set it to {have}), "
+                "or move val/'s images into train/ to carve n_val from there"
             )
     return out
 
