@@ -95,14 +95,13 @@ def test_the_same_image_in_two_splits_is_refused_naming_both(root):
     _refused(root, "in two splits", f"{a} = {b}", "remove one copy")
 
 
-def test_val_is_read_as_the_old_name_of_test_and_both_are_refused(tmp_path, capsys):
+def test_val_alone_is_read_as_the_old_name_of_test(tmp_path, capsys):
+    """(val/ beside test/ is the validation split: tests/data/test_validation_split.py)"""
     root = tmp_path / "data"
     _digits(root / "digits", test_dir="val")
     validate(_raw(root), check_files=True)
     assert DATASET_INFO[NAME].test_counts == (2, 2, 2)
     assert "val is read as the test split" in capsys.readouterr().err
-    _digits(root / "digits", test_dir="test", per_class=0)
-    _refused(root, "both test/ and val/")
 
 
 def test_rechecking_an_unchanged_folder_decodes_nothing_and_an_edit_only_that_file(

@@ -82,6 +82,9 @@ def test_bad_files_are_refused_by_a_dry_run_naming_them(tmp_path):
     leaked = base / "test" / "0" / "from-train.png"
     shutil.copy(base / "train" / "0" / "5.png", leaked)
     (base / "test" / "9").mkdir()
+    val_leak = base / "val" / "1" / "from-test.png"  # val/ beside test/: the validation split
+    val_leak.parent.mkdir(parents=True)
+    shutil.copy(base / "test" / "1" / "21.png", val_leak)
     r = _snakemake(tmp_path, "-n", *JOBS)
     out = r.stdout + r.stderr
     assert r.returncode != 0
@@ -91,11 +94,27 @@ def test_bad_files_are_refused_by_a_dry_run_naming_them(tmp_path):
         f"{stray}; move them out of the class folders",
         f"{base / 'train' / '0' / '5.png'} = {leaked}",
         "class folders without images: 9",
+        f"{base / 'test' / '1' / '21.png'} = {val_leak}",
         "tasks.mine.dataset",
     ):
         assert needle in out, out[-3000:]
     assert "Traceback" not in out and not (tmp_path / "results").exists()
     assert "no config file writes" not in out  # no line of the list read as a config key
+
+
+def test_a_validation_folder_is_read_and_n_val_against_it_is_refused_by_a_dry_run(tmp_path):
+    base = _config(tmp_path)  # n_val: 10
+    for c in range(3):
+        (base / "val" / str(c)).mkdir(parents=True)
+        Image.new("L", (8, 8), 100 + c).save(base / "val" / str(c) / "v.png")
+    r = _snakemake(tmp_path, "-n", *JOBS)
+    out = r.stdout + r.stderr
+    assert r.returncode != 0 and "tasks.mine.n_val: 10" in out and "set it to 3" in out, out
+    assert "Traceback" not in out and not (tmp_path / "results").exists()
+    cfg = yaml.safe_load((tmp_path / "config.yaml").read_text())
+    del cfg["tasks"]["mine"]["n_val"]
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(cfg))
+    assert _planned(_snakemake(tmp_path, "-n", *JOBS)) == sorted(JOBS)
 
 
 def test_an_edit_reruns_exactly_its_tasks_jobs_and_a_failed_rerun_keeps_the_results(tmp_path):

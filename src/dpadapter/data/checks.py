@@ -60,22 +60,49 @@ def data_problems(cfg: Config) -> list[str]:
             ok_roles.append((where, split))
     # The public set and the tasks draw disjointly from each source's train (n_train + n_val)
     # and test (n_test) pools, in config order; a null size takes what is left (at least one).
+    # A source with a validation split of its own gives each role all of that split's examples
+    # of its classes, and n_val nothing from train.
     for dataset in dict.fromkeys(s.dataset for _, s in ok_roles):
         group = [(w, s) for w, s in ok_roles if s.dataset == dataset]
         info = DATASET_INFO[dataset]
-        for pool, counts, what in (
-            ("train", info.train_counts, "n_train + n_val"),
+        own_val = info.val_counts is not None
+        out += _val_split_problems(group, info.val_counts) if own_val else []
+        pools = [
+            ("train", info.train_counts, "n_train" if own_val else "n_train + n_val"),
             ("test", info.test_counts, "n_test"),
-        ):
+        ]
+        if own_val:
+            pools.append(("val", info.val_counts, "n_val"))
+        for pool, counts, what in pools:
             # A role may draw its training or test examples from the other split of the
             # source (`train_split` / `test_split`): count what each role takes from this one.
-            def demand(s, pool=pool):
-                need = (s.n_train or 1) + s.n_val if s.train_split == pool else 0
+            def demand(s, pool=pool, counts=counts, own_val=own_val):
+                if pool == "val":
+                    return sum(counts[c] for c in classes_of(s))
+                n_val = 0 if own_val else s.n_val
+                need = (s.n_train or 1) + n_val if s.train_split == pool else 0
                 return need + ((s.n_test or 1) if s.test_split == pool else 0)
 
             members = [(w, s) for w, s in group if demand(s)]
             out += _pool_problems(members, pool, counts, demand, what, dataset)
     return out + _channel_problems(known)
+
+
+def _val_split_problems(group: list[tuple[str, SplitConfig]], val_counts) -> list[str]:
+    """With the source's own validation split, a role's n_val is 0 (absent) or the number of
+    that split's examples of its classes: the split is used whole, never carved or topped up
+    from train, so any other number is a misunderstanding refused before any job."""
+    out = []
+    for where, split in group:
+        have = sum(val_counts[c] for c in classes_of(split))
+        if split.n_val not in (0, have):
+            out.append(
+                f"{where}.n_val: {split.n_val}, but {split.dataset} has a validation split of "
+                f"its own (val/ or validation/ beside test/) with {have} example(s) of its "
+                f"classes, used whole as its validation set; drop n_val (or set it to {have}), "
+                "or move val/'s images into train/ to carve n_val from there"
+            )
+    return out
 
 
 def _channel_problems(known: list[tuple[str, SplitConfig]]) -> list[str]:

@@ -2,14 +2,17 @@
 
 The researcher's own private data (docs/your-data.md), or a public set such as ImageNet resized
 to 32x32 (the Pretrain-DPFL paper pre-trains on it; nobody may download ImageNet for a user).
-The layout is torchvision's ImageFolder: `<path>/train/<class>/<image>` and
-`<path>/test/<class>/<image>` (the test split; `val/` is read as its old name, with a note),
-`<path>` under `data.root` or absolute, e.g. `imagefolder:imagenet@32`.
+The layout is torchvision's ImageFolder: `<path>/train/<class>/<image>`,
+`<path>/test/<class>/<image>` (the test split; `val/` alone is read as its old name, with a
+note) and optionally `<path>/val/<class>/<image>` (or `validation/`) beside `test/`: the
+validation split, which every task drawing on the folder uses as its validation examples
+instead of carving `n_val` from train/ (`dpadapter.data.tasks`). `<path>` is under `data.root`
+or absolute, e.g. `imagefolder:imagenet@32`.
 
 - Classes are the train folder's class folders in sorted order (ImageFolder's convention), so
-  labels are 0..K-1 in that order; a test class folder must be one of them (a class with no test
-  images needs no folder). The test folder is optional: without it, roles carve their test
-  examples from train/ (`test_split: train`).
+  labels are 0..K-1 in that order; a test or validation class folder must be one of them (a
+  class with no such images needs no folder). The test folder is optional: without it, roles
+  carve their test examples from train/ (`test_split: train`).
 - Every file is decoded and checked when the config is validated, before any job
   (`dpadapter.data.manifest`: unreadable, non-image, empty class folders and images in two
   splits are refused, naming the files); the manifest remembers each file by path, size and
@@ -32,14 +35,19 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dpadapter.data.manifest import EXTENSIONS, Scan, manifest_file, scan_folder
-from dpadapter.data.registry import ArraySplit, DatasetInfo, DatasetUnavailable, register_family
+from dpadapter.data.registry import (
+    SPLITS,
+    ArraySplit,
+    DatasetInfo,
+    DatasetUnavailable,
+    register_family,
+)
 
 # The loader imports numpy and torch; the check (validation, at parse time) needs neither.
 if TYPE_CHECKING:
     import numpy as np
 
 PREFIX = "imagefolder"
-SPLITS = ("train", "test")
 __all__ = ["EXTENSIONS", "PREFIX", "SPLITS", "parse_spec", "read_listing", "resolve"]
 _NOTED: set[str] = set()
 
@@ -115,10 +123,11 @@ def resolve(spec: str, root: Path):
     scan = read_listing(base, root)
     counts = {s: tuple(len(scan.files.get(s, {}).get(c, ())) for c in scan.classes) for s in SPLITS}
 
-    def loader(root_: Path, download: bool) -> tuple[ArraySplit, ArraySplit]:
+    def loader(root_: Path, download: bool) -> tuple[ArraySplit, ...]:
         # checked again: the folder may have changed since validation
         now = read_listing(root_ / path, root_)
-        return _read_split(now, "train", side), _read_split(now, "test", side)
+        splits = SPLITS if "val" in now.folders else SPLITS[:2]  # test: empty when absent
+        return tuple(_read_split(now, s, side) for s in splits)
 
     def sources(root_: Path) -> list[Path]:
         # the manifest, brought up to date here (a stat of each file): it is rewritten when an
@@ -129,6 +138,7 @@ def resolve(spec: str, root: Path):
     return loader, DatasetInfo(
         counts["train"],
         counts["test"],
+        val_counts=counts["val"] if "val" in scan.folders else None,
         channels=scan.channels,
         sources=sources,
         fingerprint=lambda root_: scan.fingerprint,

@@ -11,7 +11,8 @@ nothing. What the checks refuse, each naming the files and the fix:
 - a file in a class folder that is not an image (by extension; hidden files are skipped);
 - an image PIL cannot decode (truncated, corrupt, not what its extension says);
 - a class folder without images, in any split;
-- the same image (by content hash) in two splits: a test image seen in training.
+- the same image (by content hash) in two splits (of train, test and the optional validation
+  split): a test image seen in training, a validation image seen in training or test.
 
 The manifest's content fingerprint (`Scan.fingerprint`: the hashes by split, class and name,
 not where the folder lies nor its mtimes) is what the workflow's rerun triggers read
@@ -58,7 +59,7 @@ class Scan:
     """A folder's splits as read: `files[split][class]` (sorted names), and what is wrong."""
 
     base: Path
-    folders: dict[str, str]  # split ("train", "test") -> its folder name under base
+    folders: dict[str, str]  # split ("train", "test", "val") -> its folder name under base
     files: dict[str, dict[str, list[str]]]
     entries: dict[str, Entry]  # "<folder>/<class>/<name>" -> entry
     problems: list[str] = field(default_factory=list)
@@ -151,25 +152,32 @@ def _entries(paths: dict[str, Path], cache: Path) -> dict[str, Entry]:
     return out
 
 
+VAL_NAMES = ("val", "validation")
+
+
 def _split_folders(base: Path) -> tuple[dict[str, str], list[str], list[str]]:
-    """(split -> folder name, problems, notes): `test/` is the test split; `val/` alone is its
-    old name, read as the test split with a note."""
+    """(split -> folder name, problems, notes). Beside `test/`, `val/` or `validation/` is the
+    validation split; `val/` without `test/` is the test split's old name (read so, with a
+    note), and then only `validation/` can be the validation split."""
     folders, problems, notes = {"train": "train"}, [], []
-    test, val = (base / "test").is_dir(), (base / "val").is_dir()
-    if test and val:
-        problems.append(
-            f"{base}: both test/ and val/: the test split is test/, and a separate validation "
-            "folder is not read; move val/'s images into train/ (each task's n_val carves its "
-            "validation examples from train/) or remove val/"
-        )
+    test = (base / "test").is_dir()
+    vals = [v for v in VAL_NAMES if (base / v).is_dir()]
     if test:
         folders["test"] = "test"
-    elif val:
+    elif "val" in vals:
         folders["test"] = "val"
+        vals.remove("val")
         notes.append(
             f"{base}/val is read as the test split (the old name of test/); rename it to "
-            f"{base}/test to say so"
+            f"{base}/test to say so (val/ beside test/ is the validation split)"
         )
+    if len(vals) > 1:
+        problems.append(
+            f"{base}: both val/ and validation/: one validation split is read; merge them "
+            "into one of the two"
+        )
+    elif vals:
+        folders["val"] = vals[0]
     return folders, problems, notes
 
 
@@ -182,7 +190,8 @@ def _class_files(top: Path) -> dict[str, list[str]]:
 
 
 def _listing_problems(base: Path, folders, listing) -> list[str]:
-    """Missing or empty folders, non-image files and classes only in the test split."""
+    """Missing or empty folders, non-image files and classes only in the test or validation
+    split."""
     out = []
     for split, cls_files in listing.items():
         top = base / folders[split]
@@ -192,7 +201,8 @@ def _listing_problems(base: Path, folders, listing) -> list[str]:
         if empty:
             out.append(
                 f"{top}: class folders without images: {', '.join(empty[:5])}; put images in "
-                "them or remove them (a class without test images needs no folder under test/)"
+                "them or remove them (a class without test or validation images needs no folder "
+                "there)"
             )
         strays = [
             f"{top}/{c}/{n}"
@@ -205,11 +215,11 @@ def _listing_problems(base: Path, folders, listing) -> list[str]:
                 f"{len(strays)} file(s) that are not images ({', '.join(EXTENSIONS)}): "
                 f"{', '.join(strays[:5])}; move them out of the class folders"
             )
-    if "test" in listing:
-        stray = sorted(set(listing["test"]) - set(listing["train"]))
+    for split in ("test", "val"):
+        stray = sorted(set(listing.get(split, ())) - set(listing["train"]))
         if stray:
             out.append(
-                f"{base / folders['test']}: class folders not in train/: {', '.join(stray[:5])}"
+                f"{base / folders[split]}: class folders not in train/: {', '.join(stray[:5])}"
             )
     return out
 
@@ -240,13 +250,15 @@ def _content_problems(scan: Scan) -> list[str]:
         )
         out.append(
             f"{len(leaks)} image(s) are in two splits (same content): a test image seen in "
-            f"training makes the test accuracy a lie; remove one copy of each:\n{shown}"
+            "training makes the test accuracy a lie, a validation image seen in training or "
+            f"test makes model selection one; remove one copy of each:\n{shown}"
         )
     return out
 
 
 def scan_folder(base: Path, cache_dir: Path) -> Scan:
-    """Read `base` (train/ and test/, or val/ by its old name), decode what is new, check it.
+    """Read `base` (train/, test/ or val/ by its old name, and an optional validation split),
+    decode what is new, check it.
 
     Problems are listed in `Scan.problems`, not raised: validation reports them with the config
     key. A missing train/ stops the scan there (nothing else can be said)."""

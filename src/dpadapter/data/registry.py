@@ -45,7 +45,11 @@ class ArraySplit:
         return ArraySplit(self.images[idx], self.labels[idx])
 
 
-Loader = Callable[[Path, bool], tuple[ArraySplit, ArraySplit]]
+# A loader's splits, in this order
+SPLITS = ("train", "test", "val")
+# (train, test), or (train, test, val) for a source with a validation split of its own
+# (`DatasetInfo.val_counts`)
+Loader = Callable[[Path, bool], tuple[ArraySplit, ...]]
 DATASETS: dict[str, Loader] = {}
 
 
@@ -57,7 +61,10 @@ class DatasetInfo:
     test splits (so class ids, split sizes and delta <= 1/n are checked before any job);
     `missing(root, download)` is a cheap look for the files, returning the loader's own
     "not available offline" message, or None when the loader will find (or fetch) them.
-    `sources(root)` lists what the loader reads (see the field).
+    `sources(root)` lists what the loader reads (see the field). `val_counts`, for a source
+    with a validation split of its own (an image folder's val/), are its examples by class: the
+    loader then returns (train, test, val), and every role draws its validation examples from
+    that split, never from train (`dpadapter.data.tasks`).
     """
 
     train_counts: tuple[int, ...]
@@ -70,6 +77,7 @@ class DatasetInfo:
     # the content fingerprint of what the loader reads (`data_fingerprint`), for the workflow's
     # rerun triggers; None: the files named by `sources` are hashed
     fingerprint: Callable[[Path], str | None] | None = None
+    val_counts: tuple[int, ...] | None = None
 
     @property
     def num_classes(self) -> int:
@@ -178,11 +186,10 @@ def data_fingerprint(name: str, root: str | Path) -> str | None:
     return file_fingerprint(files, root / ".cache" / "manifests")
 
 
-def load_dataset(
-    name: str, root: str | Path, download: bool = False
-) -> tuple[ArraySplit, ArraySplit]:
-    """Both splits of `name`, from its tensor cache under `<root>/.cache/` while that is sound
-    for the current source files (`tensor_cache`), else decoded by its loader and cached."""
+def load_dataset(name: str, root: str | Path, download: bool = False) -> tuple[ArraySplit, ...]:
+    """The splits of `name` ((train, test), or (train, test, val) with `val_counts`), from its
+    tensor cache under `<root>/.cache/` while that is sound for the current source files
+    (`tensor_cache`), else decoded by its loader and cached."""
     problem = resolve_dataset(name, root)
     if problem is not None:
         raise DatasetUnavailable(problem)
@@ -198,10 +205,9 @@ def load_dataset(
     from dpadapter.data import tensor_cache  # torch: not while the workflow parses
 
     def build():
-        train, test = loader(root, download)
-        return (train.images, train.labels), (test.images, test.labels)
+        return tuple((s.images, s.labels) for s in loader(root, download))
 
-    train, test = tensor_cache.load_or_build(
+    splits = tensor_cache.load_or_build(
         cache_path(name, root), name, root, lambda: sources(root), build
     )
-    return ArraySplit(*train), ArraySplit(*test)
+    return tuple(ArraySplit(*s) for s in splits)

@@ -30,5 +30,7 @@ def task_sizes(cfg: Config) -> dict[str, int]:
         if any(c >= info.num_classes for c in t.classes or ()):
             continue
         counts = info.train_counts if t.train_split == "train" else info.test_counts
-        out[name] = t.n_train or sum(counts[c] for c in classes_of(t)) - t.n_val
+        # a source's own validation split takes nothing from the training pool
+        n_val = 0 if info.val_counts is not None else t.n_val
+        out[name] = t.n_train or sum(counts[c] for c in classes_of(t)) - n_val
     return out

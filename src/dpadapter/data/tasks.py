@@ -4,9 +4,12 @@ Allocation is deterministic (`data.split_seed`) and ordered: the public set firs
 tasks in config order, each taking examples not yet taken. So the public set (and every
 pre-trained checkpoint) depends only on the public config, and a task drawn from the same source
 as the public set (Hypothesis 1 of the DPAdapter paper) is disjoint from it by construction.
-Validation examples come from a task's training pool; test examples only from the source's test
-split. Normalisation statistics come from the public training images alone (or are fixed public
-constants, `data.normalization`), so no private statistic leaks into pre-processing.
+Validation examples come from a task's training pool, or, for a source with a validation split
+of its own (an image folder's val/ beside test/), from that split alone: every example of the
+role's classes there, nothing carved from train, and none of them ever a training or test
+example. Test examples come only from the source's test split. Normalisation statistics come
+from the public training images alone (or are fixed public constants, `data.normalization`),
+so no private statistic leaks into pre-processing.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import TensorDataset
 
-from dpadapter.data.registry import ArraySplit, load_dataset
+from dpadapter.data.registry import SPLITS, ArraySplit, load_dataset
 from dpadapter.settings import Config, SplitConfig
 
 
@@ -36,8 +39,9 @@ class Allocation:
     train: torch.Tensor
     val: torch.Tensor
     test: torch.Tensor
-    train_split: str = "train"  # which source split `train` and `val` index
+    train_split: str = "train"  # which source split `train` (and `val`, see below) index
     test_split: str = "test"  # which source split `test` indexes
+    val_split: str | None = None  # which source split `val` indexes; None: train_split
 
 
 @dataclass(frozen=True)
@@ -88,13 +92,16 @@ def _take(pool_labels, free, classes, n, perm, what):
     return chosen
 
 
-def allocate(cfg: Config, pools: dict[str, tuple[ArraySplit, ArraySplit]]) -> dict[str, Allocation]:
+Pools = dict[str, tuple[ArraySplit, ...]]  # dataset -> (train, test) or (train, test, val)
+
+
+def allocate(cfg: Config, pools: Pools) -> dict[str, Allocation]:
     roles: list[tuple[str, SplitConfig]] = [("public", cfg.public), *cfg.tasks.items()]
     free: dict[tuple[str, str], torch.Tensor] = {}
     perms: dict[tuple[str, str], torch.Tensor] = {}
     out = {}
     for name, sc in roles:
-        by_split = dict(zip(("train", "test"), pools[sc.dataset], strict=True))
+        by_split = dict(zip(SPLITS, pools[sc.dataset], strict=False))
         train_pool, test_pool = by_split[sc.train_split], by_split[sc.test_split]
         classes = sc.classes or tuple(sorted(set(by_split["train"].labels.tolist())))
         for which, pool in by_split.items():
@@ -102,23 +109,50 @@ def allocate(cfg: Config, pools: dict[str, tuple[ArraySplit, ArraySplit]]) -> di
             if key not in free:
                 free[key] = torch.ones(len(pool), dtype=torch.bool)
                 g = torch.Generator().manual_seed(
-                    cfg.data.split_seed * 1_000_003 + (which == "test")
+                    cfg.data.split_seed * 1_000_003 + SPLITS.index(which)
                 )
                 perms[key] = torch.randperm(len(pool), generator=g)
         tr_key, te_key = (sc.dataset, sc.train_split), (sc.dataset, sc.test_split)
-        n_fit = None if sc.n_train is None else sc.n_train + sc.n_val
-        fit = _take(
-            train_pool.labels, free[tr_key], classes, n_fit, perms[tr_key], f"{name} (train+val)"
-        )
-        if sc.n_train is None and sc.n_val:
-            if fit.numel() <= sc.n_val:
-                raise SplitError(f"{name}: n_val={sc.n_val} leaves no training examples")
-        val, train = fit[: sc.n_val], fit[sc.n_val :]
+        val_split = "val" if "val" in by_split else None
+        if val_split is not None:
+            # the source's own validation split: all of it for the role's classes (n_val is 0,
+            # or that count: dpadapter.data.checks), nothing carved from the training pool
+            v_key = (sc.dataset, val_split)
+            val = _take(
+                by_split[val_split].labels,
+                free[v_key],
+                classes,
+                sc.n_val or None,
+                perms[v_key],
+                f"{name} (val)",
+            )
+            train = _take(
+                train_pool.labels,
+                free[tr_key],
+                classes,
+                sc.n_train,
+                perms[tr_key],
+                f"{name} (train)",
+            )
+        else:
+            n_fit = None if sc.n_train is None else sc.n_train + sc.n_val
+            fit = _take(
+                train_pool.labels,
+                free[tr_key],
+                classes,
+                n_fit,
+                perms[tr_key],
+                f"{name} (train+val)",
+            )
+            if sc.n_train is None and sc.n_val:
+                if fit.numel() <= sc.n_val:
+                    raise SplitError(f"{name}: n_val={sc.n_val} leaves no training examples")
+            val, train = fit[: sc.n_val], fit[sc.n_val :]
         test = _take(
             test_pool.labels, free[te_key], classes, sc.n_test, perms[te_key], f"{name} (test)"
         )
         out[name] = Allocation(
-            sc.dataset, tuple(classes), train, val, test, sc.train_split, sc.test_split
+            sc.dataset, tuple(classes), train, val, test, sc.train_split, sc.test_split, val_split
         )
     return out
 
@@ -150,11 +184,11 @@ def _relabel(labels: torch.Tensor, classes: tuple[int, ...]) -> torch.Tensor:
     return lut[labels]
 
 
-def _split_pool(pools, dataset: str, split: str) -> ArraySplit:
-    return pools[dataset][0 if split == "train" else 1]
+def _split_pool(pools: Pools, dataset: str, split: str) -> ArraySplit:
+    return pools[dataset][SPLITS.index(split)]
 
 
-def load_pools(cfg: Config) -> dict[str, tuple[ArraySplit, ArraySplit]]:
+def load_pools(cfg: Config) -> Pools:
     names = {cfg.public.dataset, *(t.dataset for t in cfg.tasks.values())}
     return {n: load_dataset(n, cfg.data.root, cfg.data.download) for n in sorted(names)}
 
@@ -188,10 +222,11 @@ def build_splits(
             raise KeyError(f"unknown role {name!r}; known: {sorted(allocs)}")
         a = allocs[name]
         train_pool = _split_pool(pools, a.dataset, a.train_split)
+        val_pool = _split_pool(pools, a.dataset, a.val_split or a.train_split)
         test_pool = _split_pool(pools, a.dataset, a.test_split)
         parts = []
         channels = (cfg.public if name == "public" else cfg.tasks[name]).channels
-        for pool, idx in ((train_pool, a.train), (train_pool, a.val), (test_pool, a.test)):
+        for pool, idx in ((train_pool, a.train), (val_pool, a.val), (test_pool, a.test)):
             x = _to_float(pool.images[idx], image_size, channels)
             if x.shape[1] != in_chans:
                 raise SplitError(

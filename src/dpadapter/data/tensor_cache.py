@@ -8,7 +8,8 @@ results folder), and is trusted only while it provably holds what the sources wo
 - it records the format version and the sources' signature (path, size and mtime of every file
   or folder the loader reads), and is rebuilt when either differs: a source replaced, extended
   or re-downloaded invalidates it without anyone deleting it;
-- it records a CRC-32 of each of its four tensors' bytes, checked on every load, so a truncated
+- it records a CRC-32 of each of its tensors' bytes (images and labels of train, test and, for
+  a source with a validation split, val), checked on every load, so a truncated
   or corrupted file is rebuilt (and said so in the log) instead of training on wrong pixels;
 - it is written to a file of its own process and renamed into place, so jobs of a grid that
   start together never read a half-written file (each may decode; the last rename wins, and
@@ -34,7 +35,11 @@ from dpadapter.ground import atomic
 log = logging.getLogger(__name__)
 
 FORMAT = 2  # 1: the unkeyed {"train", "test"} file of earlier versions
-Tensors = tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+# (images, labels) of train and test, and of val for a source with a validation split
+Tensors = tuple[tuple[torch.Tensor, torch.Tensor], ...]
+# the file's keys of the splits, in the loaders' order (`registry.SPLITS`; not imported from
+# there: the registry imports this module)
+KEYS = ("train", "test", "val")
 
 
 def signature(root: Path, paths: list[Path]) -> str:
@@ -58,7 +63,7 @@ def _rel(p: Path, root: Path) -> str:
 
 def _crc(t: torch.Tensor) -> int:
     """CRC-32 of the tensor's bytes, without copying them; an empty split (an image folder
-    without val images: its test set comes from train) has the CRC of no bytes."""
+    without test images: its test set comes from train) has the CRC of no bytes."""
     return zlib.crc32(t.contiguous().numpy().reshape(-1).view("uint8"))
 
 
@@ -69,14 +74,14 @@ def _check(d: object, name: str, source: str) -> tuple[Tensors | None, str]:
     if d.get("dataset") != name or d.get("source") != source:
         return None, "its source files changed"
     out = []
-    for split in ("train", "test"):
+    for split in KEYS[: d.get("splits", 2)]:
         x, y = d[split]
         if x.dtype != torch.uint8 or x.ndim != 4 or y.dtype != torch.long or y.shape != x.shape[:1]:
             return None, f"bad {split} tensors"
         if [_crc(x), _crc(y)] != list(d["crc32"][split]):
             return None, f"its {split} tensors fail their checksum (corrupted)"
         out.append((x, y))
-    return (out[0], out[1]), ""
+    return tuple(out), ""
 
 
 def read(path: Path, name: str, source: str) -> Tensors | None:
@@ -99,14 +104,14 @@ def read(path: Path, name: str, source: str) -> Tensors | None:
 
 def write(path: Path, name: str, source: str, tensors: Tensors) -> None:
     """Atomically: a temporary file of this process, renamed over `path`."""
-    (xtr, ytr), (xte, yte) = tensors
+    named = dict(zip(KEYS, tensors, strict=False))
     payload = {
         "format": FORMAT,
         "dataset": name,
         "source": source,
-        "train": (xtr, ytr),
-        "test": (xte, yte),
-        "crc32": {"train": [_crc(xtr), _crc(ytr)], "test": [_crc(xte), _crc(yte)]},
+        "splits": len(named),
+        **named,
+        "crc32": {s: [_crc(x), _crc(y)] for s, (x, y) in named.items()},
     }
     atomic.torch_save(payload, path)
 
