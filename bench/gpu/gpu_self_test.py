@@ -14,6 +14,18 @@ for the torch.func reference in float32, both against the float64 reference
 `self_test` (bench/gpu/gpu_session.py), its file `self_test.json` in $OUT; run here, the same
 command gives the CPU's figures beside which a loan's are read (docs/gpu-runs/).
 
+The device is configured as a training job configures it (`device.configure`: cuDNN
+autotuning on CUDA, so the self-test's batched backward runs the algorithms the autotuner picks
+at this batch shape, as in a cell). A mode may carry a variant, `MODE@VARIANT`, which changes
+only the cuDNN flags around its self-test: `heuristic` (autotuning off: cuDNN's heuristic
+algorithm for each shape) and `no-cudnn` (torch's own convolution kernels). The float32
+formula of bk's GroupNorm kernel at this model's inputs is ~1e-7 off on the CPU, in CUDA's
+accumulation order too (docs/gpu.md "Unmeasured"), which leaves the algorithms cuDNN picks for
+the batched backward at 1152 examples (the reference runs chunks of a few examples, the small
+check 5): if `bk` is far off and `bk@heuristic` / `bk@no-cudnn` are not, and `hooks` (the same
+batched backward) is off at the same modules, the autotuned algorithm is the cause; if `bk`
+alone is off whatever the flags, bk's own kernels are.
+
 A refused test is recorded too (its record rides on the `PerSampleCheckError`): the point is
 the figures, and a cell that refuses one mode runs in another anyway.
 """
@@ -28,6 +40,7 @@ import platform
 import subprocess
 import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -69,23 +82,49 @@ def machine(device: str) -> dict:
     return out
 
 
-def run_mode(mode: str, args: argparse.Namespace) -> dict:
-    """One mode's self-test record (passed or refused), with its wall time."""
+def _cudnn(**changed):
+    """cuDNN's flags as they are but `changed` (`torch.backends.cudnn.flags` sets every flag it
+    takes, TF32 on by default: the self-test's `full_fp32` turns it off inside anyway)."""
+    cudnn = torch.backends.cudnn
+    now = dict(enabled=cudnn.enabled, benchmark=cudnn.benchmark,
+               deterministic=cudnn.deterministic, allow_tf32=cudnn.allow_tf32)  # fmt: skip
+    return cudnn.flags(**{**now, **changed})
+
+
+VARIANTS = {
+    "": nullcontext,
+    "heuristic": lambda: _cudnn(benchmark=False),
+    "no-cudnn": lambda: _cudnn(enabled=False),
+}
+
+
+def run_mode(spec: str, args: argparse.Namespace) -> dict:
+    """One `MODE[@VARIANT]`'s self-test record (passed or refused), with its wall time."""
+    from dpadapter.ground.device import configure
     from dpadapter.models.factory import create_model
     from dpadapter.per_sample import PerSampleCheckError, wrap_for_dp
     from dpadapter.settings import ModelConfig
 
+    mode, _, variant = spec.partition("@")
     cfg = ModelConfig(name="gnresnet10", groups=args.groups, width=args.width)
-    model = create_model(cfg, 10, 1, seed=args.seed).to(args.device)
+    device = torch.device(args.device)
+    configure(device)  # as a training job: cuDNN autotuning on CUDA
+    model = create_model(cfg, 10, 1, seed=args.seed).to(device)
     t0 = time.monotonic()
-    try:
-        wrapped = wrap_for_dp(
-            model, mode, sample=((1, 28, 28), torch.float32), check_batch=args.batch
-        )
-        record, refused = wrapped.per_sample_check, None
-    except PerSampleCheckError as exc:
-        record, refused = exc.record, str(exc)
-    return {"wall_s": round(time.monotonic() - t0, 1), "refused": refused, "record": record}
+    with VARIANTS[variant]():
+        flags = {
+            "cudnn_enabled": torch.backends.cudnn.enabled,
+            "cudnn_benchmark": torch.backends.cudnn.benchmark,
+        }
+        try:
+            wrapped = wrap_for_dp(
+                model, mode, sample=((1, 28, 28), torch.float32), check_batch=args.batch
+            )
+            record, refused = wrapped.per_sample_check, None
+        except PerSampleCheckError as exc:
+            record, refused = exc.record, str(exc)
+    wall = round(time.monotonic() - t0, 1)
+    return {"wall_s": wall, "flags": flags, "refused": refused, "record": record}
 
 
 def worst_first(record: dict | None) -> list[tuple[str, dict]]:
@@ -118,13 +157,19 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--batch", type=int, default=BATCH)
-    ap.add_argument("--modes", nargs="+", default=["bk", "hooks"])
+    ap.add_argument(
+        "--modes", nargs="+", default=["bk", "hooks", "bk@heuristic", "bk@no-cudnn"],
+        help="MODE or MODE@VARIANT (heuristic, no-cudnn), in this order (a cut keeps the first)",
+    )  # fmt: skip
     ap.add_argument("--groups", type=int, default=16)
     ap.add_argument("--width", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0, help="the model's initialisation")
     ap.add_argument("--tiny", action="store_true", help="width 8, groups 4 (the dry run)")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
+    unknown = [m for m in args.modes if m.partition("@")[2] not in VARIANTS]
+    if unknown:
+        ap.error(f"unknown variant in {unknown}; known: {[v for v in VARIANTS if v]}")
     if args.tiny:
         args.groups, args.width = 4, 8
     result = {
