@@ -23,6 +23,7 @@ hand the layer (the emulation takes the CPU's), nor the algorithms cuDNN picks f
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 from pathlib import Path
 
@@ -154,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
+    from gpu_self_test import commit, machine
+
     result = {"model": model_layers(args.batch), "synthetic": synthetic()}
     for part, rows in result.items():
         print(f"{part}: worst relative error of an example's (weight, bias) gradient, float32")
@@ -164,7 +167,9 @@ def main(argv: list[str] | None = None) -> int:
             )
             print(f"  {name:24s} |mean|/std {r['mean_over_std']:8.3g}  {ways}")
     if args.out:
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
+        when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+        meta = {"date": when, "commit": commit(), "machine": machine("cpu"), "batch": args.batch}
+        args.out.write_text(json.dumps({**meta, **result}, indent=1) + "\n")
     return 0
 
 
