@@ -15,6 +15,9 @@ The steps, in priority order (a step runs only if the time left allows it to sta
   d. the tiny pipeline through Snakemake with `device: cuda`, its jobs forked from the
      preforked server: the forked jobs must have trained on CUDA (or the server refused them
      by name);
+  s. the per-sample self-test at Table 2's batch (1152) on GNResNet-10 in bk, hooks and bk with
+     cuDNN's heuristic algorithms / without cuDNN: each module's worst per-example error and its
+     example, for the mode and the float32 reference (bench/gpu/gpu_self_test.py, issue 66);
   b'. (after d) bk and the non-private step compiled (`finetune.compile`), eager bk beside them;
   e. DP-SAT Table 2 cells (Fashion-MNIST, GNResNet-10 from scratch, the paper's settings) that
      no earlier loan finished (docs/gpu-runs/cells/), in the fastest mode whose check passed in
@@ -22,7 +25,8 @@ The steps, in priority order (a step runs only if the time left allows it to sta
 One deadline covers them all (default 480 s: 8 minutes of a 10-minute call); what is still
 running then is stopped and reported as cut, never as a result, and the files are written
 anyway. At most 8 files reach the output folder, none in a subfolder: summary.md (read it
-first), session.json, dp_modes.md, gpu_smoke.json, table2.md, logs.txt, artifacts.tar.gz.
+first), session.json, dp_modes.md, self_test.json, gpu_smoke.json, table2.md, logs.txt,
+artifacts.tar.gz.
 
 The dry run uses the same code at tiny sizes, on the CPU, with MLflow hidden as on the bare GPU
 image; it also runs a step made to overrun (cut at its cap) and stalls one Table 2 cell (cut at
@@ -55,6 +59,7 @@ MAX_FILES = 8
 CAPS = {
     "versions": (30, 20),
     "dp_modes": (110, 45),
+    "self_test": (120, 40),
     "dp_compiled": (180, 40),
     "smoke": (150, 45),
     "cuda_tests": (90, 40),
@@ -199,6 +204,16 @@ class Session:
         path = self.work / "dp_compiled" / "dp_modes.json"
         self.data["dp_compiled"] = json.loads(path.read_text()) if path.is_file() else None
 
+    def run_self_test(self) -> None:
+        """The self-test module by module (bench/gpu/gpu_self_test.py); its JSON is written
+        after each mode, so a cut step keeps the modes that finished."""
+        path = self.work / "self_test.json"
+        cmd = [PY, "bench/gpu/gpu_self_test.py", "--device", self.device, "--out", path]
+        if self.dry:  # the script, not the figures
+            cmd += ["--tiny", "--batch", "6", "--modes", "bk"]
+        self.step("self_test", cmd)
+        self.data["self_test"] = json.loads(path.read_text()) if path.is_file() else None
+
     def table2_mode(self) -> tuple[str, str]:
         """The pipeline mode with the lowest GNResNet-10 ratio whose clipped sum was right, or
         the one `--mode` names (read from an earlier call's step b: a loan's calls are short)."""
@@ -301,6 +316,8 @@ class Session:
         dpc = self.work / "dp_compiled" / "dp_modes.md"
         if dpc.is_file():  # in the same file: at most 8 files come back
             files["dp_modes.md"] = files.get("dp_modes.md", "") + "\n\n" + dpc.read_text()
+        if self.data.get("self_test"):
+            files["self_test.json"] = json.dumps(self.data["self_test"], indent=1) + "\n"
         if self.data.get("smoke"):
             files["gpu_smoke.json"] = json.dumps(self.data["smoke"], indent=2) + "\n"
         if self.data.get("table2", {}).get("table"):
@@ -414,7 +431,8 @@ def main(argv: list[str] | None = None) -> int:
             print("gpu_session: torch sees no CUDA device; --dry-run runs it on the CPU",
                   file=sys.stderr)  # fmt: skip
             return 2
-    order = ["versions", "dp_modes", "smoke", "cuda_tests", "pipeline", "dp_compiled", "table2"]
+    order = ["versions", "dp_modes", "self_test", "smoke", "cuda_tests", "pipeline"]
+    order += ["dp_compiled", "table2"]
     for name in order:
         if s.wanted(name):
             getattr(s, f"run_{name}")()

@@ -115,6 +115,15 @@ def render(data: dict, outcomes: list) -> str:
             lines.append("(cut before every model was measured)")
     else:
         lines.append("No measurement (see logs.txt).")
+    lines += ["", "## s. Per-sample self-test at Table 2's batch, each module's worst example", ""]
+    st = data.get("self_test")
+    if st:
+        from gpu_self_test import summary
+
+        lines += [f"{st['examples']} examples, GNResNet-10 seed {st['model']['seed']} "
+                  "(self_test.json has every module):", "", "```", summary(st), "```"]  # fmt: skip
+    else:
+        lines.append("Not run (see logs.txt).")
     lines += ["", "Compiled (`finetune.compile`, run after d): bk and the non-private step through "
               "torch.compile, ratios against the eager non-private step", ""]  # fmt: skip
     dpc = data.get("dp_compiled")
@@ -138,8 +147,8 @@ def render(data: dict, outcomes: list) -> str:
     lines += _table2(data.get("table2"))
     lines += [
         "",
-        "Files: session.json (everything above as data), dp_modes.md, gpu_smoke.json, "
-        "table2.md, logs.txt (the end of every step's log), artifacts.tar.gz (every log, "
-        "JSON and table the steps wrote).",
+        "Files: session.json (everything above as data), dp_modes.md, self_test.json, "
+        "gpu_smoke.json, table2.md, logs.txt (the end of every step's log), "
+        "artifacts.tar.gz (every log, JSON and table the steps wrote).",
     ]
     return "\n".join(lines) + "\n"

@@ -56,8 +56,8 @@ def test_every_step_ran_or_was_cut_and_says_so(dry):
     data = json.loads((out / "session.json").read_text())
     status = {s["name"]: s for s in data["steps"]}
     assert list(status) == [
-        "versions", "dp_modes", "smoke", "cuda_tests", "deadline_probe", "pipeline",
-        "dp_compiled", "table2",
+        "versions", "dp_modes", "self_test", "smoke", "cuda_tests", "deadline_probe",
+        "pipeline", "dp_compiled", "table2",
     ]  # fmt: skip
     assert status["deadline_probe"]["status"] == "cut" and "cap" in status["deadline_probe"]["note"]
     assert status["versions"]["status"] == "passed" and data["versions"]["opacus"]
@@ -72,11 +72,21 @@ def test_every_step_ran_or_was_cut_and_says_so(dry):
     (compiled,) = data["dp_compiled"]["results"]
     assert compiled["check"]["ok"] and "bk-compiled" in compiled["check"]["rel_error"]
     assert {"bk", "bk-compiled", "nonprivate-compiled"} <= set(compiled["modes"])
+    # the self-test module by module (issue 66): every trained module's worst example, for the
+    # mode and for the float32 reference, in a file of its own that comes back from a loan
+    assert status["self_test"]["status"] == "passed"
+    st = json.loads((out / "self_test.json").read_text())
+    rows = st["modes"]["bk"]["record"]["by_module"]
+    assert len(rows) > 10 and st["examples"] == 6 and st["commit"]
+    for row in rows.values():
+        assert 0 <= row["mode_example"] < 6 and 0 <= row["reference_example"] < 6
+        assert 0 < row["mode_error"] < 1e-4 and row["how"]
     # the fixtures ran without MLflow: the CUDA test file's CPU tests passed, CUDA ones skipped
     tests = data["cuda_tests"]
     assert tests["passed"] > 0 and tests["failures"] == tests["errors"] == 0
     summary = (out / "summary.md").read_text()
-    for section in ("## a.", "## b.", "## c.", "## d.", "## e.", "| deadline_probe | cut |"):
+    sections = ("## a.", "## b.", "## s.", "## c.", "## d.", "## e.", "| deadline_probe | cut |")
+    for section in sections:
         assert section in summary
 
 

@@ -26,7 +26,7 @@ from torch._dynamo.utils import counters
 
 from dpadapter.per_sample import wrap_for_dp
 from dpadapter.per_sample.bookkeeping import BookKeepingModule
-from dpadapter.per_sample.compiled import CompiledBookKeeping
+from dpadapter.per_sample.compiled import COMPILE_MODES, CompiledBookKeeping
 from dpadapter.train.batching import PAD_LABEL, masked_cross_entropy, pad_batch
 
 
@@ -293,3 +293,49 @@ def test_a_forward_without_its_backward_leaves_no_stale_gradient():
     bk(x.float())  # forward only
     with pytest.raises(RuntimeError, match="before the backward pass"):
         bk.per_sample_norms(opt.params)
+
+
+def _inductor_config(kwargs: dict) -> dict:
+    """What inductor runs a `torch.compile(**kwargs)` with: its mode's options from inductor's
+    own table, then the options given, over the global config (as torch.compile applies them)."""
+    from torch._inductor import config, list_mode_options
+
+    mode, options = kwargs.get("mode"), kwargs.get("options") or {}
+    effective = {"triton.cudagraphs": config.triton.cudagraphs}
+    if mode and mode != "default":
+        effective.update(list_mode_options(mode))
+    effective.update(options)
+    return effective
+
+
+@pytest.mark.parametrize("mode", COMPILE_MODES[1:])
+def test_no_compile_mode_puts_the_rule_phases_in_cuda_graphs(mode, monkeypatch):
+    """Issue 66 item 4: every mode, `max-autotune` (CUDA graphs on in current torch) included,
+    compiles the norms and sums phases without CUDA graphs, and the forward with the mode as
+    given; read from the arguments each `torch.compile` call receives."""
+    calls = []
+
+    def record(fn, **kwargs):
+        calls.append((fn, kwargs))
+        return fn
+
+    monkeypatch.setattr(torch, "compile", record)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2))
+    bk = CompiledBookKeeping(model, mode=mode, backend="inductor")
+    forward = [kw for fn, kw in calls if fn is model]
+    phases = {getattr(fn, "__name__", ""): kw for fn, kw in calls if fn is not model}
+    assert forward == [{"mode": mode, "backend": "inductor", "dynamic": False}]
+    assert set(phases) == {"_norms", "_sums"}
+    for name, kw in phases.items():
+        assert kw["backend"] == "inductor" and kw["dynamic"] is False
+        assert _inductor_config(kw)["triton.cudagraphs"] is False, (name, kw)
+        # the mode's other options stay (max-autotune's tuning)
+        if mode != "default":
+            wanted = dict(torch._inductor.list_mode_options(mode), **{"triton.cudagraphs": False})
+            assert _inductor_config(kw) | wanted == _inductor_config(kw)
+    assert bk._compiled_norms is not None
+
+
+def test_the_cudagraphs_backend_is_refused_for_the_rule_phases():
+    with pytest.raises(ValueError, match="CUDA graphs"):
+        CompiledBookKeeping(torch.nn.Linear(3, 2), backend="cudagraphs")

@@ -2,10 +2,12 @@
 
 Why: at the sizes our users train, a GPU step is bound by kernel launches (docs/gpu.md), and
 `torch.compile` fuses the model's element-wise kernels (GroupNorm, activations, residual adds)
-in the forward and in the backward AOTAutograd derives from it; `reduce-overhead` also replays
-the step's kernels as CUDA graphs. Three things are compiled: the wrapped model's forward with
-book-keeping's recording hooks traced into it (their inputs `a` and output gradients `g` come
-out of the compiled graphs exactly as from eager ones), and the per-layer rules' two phases
+in the forward and in the backward AOTAutograd derives from it; `reduce-overhead` (and in
+current torch `max-autotune`) also replays the forward's and backward's kernels as CUDA graphs,
+never the rules' (`rules_compile_kwargs`). Three things are compiled: the wrapped model's
+forward with book-keeping's recording hooks traced into it (their inputs `a` and output
+gradients `g` come out of the compiled graphs exactly as from eager ones), and the per-layer
+rules' two phases
 (`rules`): the per-example norms from the records, and the clip-weighted sums, where a GPU's
 remaining small kernels are (a ghost norm's product and sum, the kept gradients' squares and
 sums, the parts' total). The clip factors between the two phases, the noise and the Poisson
@@ -49,8 +51,32 @@ from torch.utils._pytree import tree_leaves
 from dpadapter.per_sample.bookkeeping import BookKeepingModule
 from dpadapter.per_sample.rules import LayerRecord
 
-# `finetune.compile`: off, or torch.compile's mode (reduce-overhead: CUDA graphs on a GPU)
+# `finetune.compile`: off, or torch.compile's mode for the forward (reduce-overhead and
+# max-autotune: CUDA graphs on a GPU; never for the rule phases, `rules_compile_kwargs`)
 COMPILE_MODES = ("off", "default", "reduce-overhead", "max-autotune")
+
+
+def rules_compile_kwargs(mode: str, backend: str) -> dict[str, Any]:
+    """`torch.compile`'s arguments for the rule phases under `finetune.compile: mode`.
+
+    Why never CUDA graphs there: a graph's replay writes its outputs into the same memory each
+    time, and the norms phase's outputs (the kept per-example gradients) are read by the sums
+    phase after it, so a later replay could overwrite tensors an earlier phase returned. Which
+    modes turn CUDA graphs on is inductor's table (`torch._inductor.list_mode_options`:
+    `reduce-overhead`, and `max-autotune` in current torch), not ours, so the phases get that
+    mode's own options with `triton.cudagraphs` set off explicitly, rather than a list of mode
+    names to avoid that the next torch could outgrow (and an explicit off also wins over a
+    global `torch._inductor.config.triton.cudagraphs`). Other backends take no inductor
+    options: AOTAutograd's ignore them, and the `cudagraphs` backend is refused."""
+    if backend == "cudagraphs":
+        raise ValueError("bk's rule phases may not run as CUDA graphs (backend 'cudagraphs')")
+    if backend != "inductor":
+        return {"backend": backend}
+    from torch._inductor import list_mode_options
+
+    options = dict(list_mode_options(mode)) if mode != "default" else {}
+    options["triton.cudagraphs"] = False
+    return {"backend": backend, "options": options}
 
 
 @dataclass(frozen=True)
@@ -85,13 +111,11 @@ class CompiledBookKeeping(BookKeepingModule):
         # The per-layer rules too: the norms and the clip-weighted sums from the records, one
         # graph each per trained set and shape (`_norms`, `_sums`). Their temporaries are the
         # graphs' own, so no buffer pool (the eager fallback of `_whole_step` then allocates
-        # fresh tensors, the same values). Never as CUDA graphs: a replay overwrites its outputs,
-        # and the norms' outputs (the kept gradients) are read by the sums' phase after it.
+        # fresh tensors, the same values). Never as CUDA graphs (`rules_compile_kwargs`).
         self.workspace = None
-        rules_mode = "default" if mode == "reduce-overhead" else mode
         for phase in ("_norms", "_sums"):
             fn = getattr(super(), phase)
-            compiled = torch.compile(fn, mode=rules_mode, backend=backend, dynamic=False)
+            compiled = torch.compile(fn, **rules_compile_kwargs(mode, backend), dynamic=False)
             object.__setattr__(self, f"_compiled{phase}", compiled)
         self._plans: dict[tuple, _Plan] = {}
         self._plan: _Plan | None = None  # the plan of the compiled forward under way

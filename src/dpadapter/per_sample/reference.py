@@ -23,7 +23,7 @@ so both branches of the clip run), and the clipped sums use Opacus' clip factor
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -48,6 +48,9 @@ class Reference:
     whole_noise: float  # the same for the whole gradient
     sum_noise: dict[str, float]  # |sum (own dtype) - sum (float64)|
     dtype: str  # of the truth: "float64", or the working dtype where float64 failed
+    # (n,) the same norms from the working dtype's gradients (the reference's own rounding,
+    # example by example: `margins.worst_examples`)
+    norms_working: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def reference(
@@ -71,6 +74,7 @@ def reference(
     working = _gradients(model, params, None)
     exact: Callable | None = _gradients(model, params, torch.float64)
     norms: dict[str, list[torch.Tensor]] = {mod: [] for mod in groups}
+    norms_w: dict[str, list[torch.Tensor]] = {mod: [] for mod in groups}
     shares = dict.fromkeys(groups, 0.0)
     noise = dict.fromkeys(groups, 0.0)
     whole_noise = 0.0
@@ -97,6 +101,7 @@ def reference(
         c = clip_factors(whole, clip)
         for mod, v in by_mod.items():
             norms[mod].append(v)
+            norms_w[mod].append(by_mod_w[mod])
             shares[mod] += float((c * v).sum())
             scale = torch.maximum(v, floor * whole).clamp(min=tiny)
             noise[mod] = max(noise[mod], _max((by_mod_w[mod] - v).abs() / scale))
@@ -123,6 +128,7 @@ def reference(
         whole_noise=whole_noise,
         sum_noise=sum_noise,
         dtype="float64" if exact is not None else str(next(iter(params.values())).dtype)[6:],
+        norms_working={mod: torch.cat(v) for mod, v in norms_w.items()},
     )
 
 

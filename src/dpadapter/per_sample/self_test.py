@@ -67,6 +67,7 @@ from opacus.optimizers import DPOptimizer
 from torch import nn
 
 from dpadapter.ground.device import full_fp32
+from dpadapter.per_sample.margins import relative_errors, worst_examples
 from dpadapter.per_sample.module_state import restore_buffers, snapshot_buffers
 from dpadapter.per_sample.reference import Reference, reference
 
@@ -84,7 +85,12 @@ WHOLE = "the whole gradient"
 
 
 class PerSampleCheckError(RuntimeError):
-    """The per-sample mode's norms or sums disagree with the reference: training is refused."""
+    """The per-sample mode's norms or sums disagree with the reference: training is refused.
+
+    `record` is the refused test's record (as metrics.json would have had it), so that a
+    caller that reports rather than trains (bench/gpu/gpu_self_test.py) keeps its figures."""
+
+    record: dict | None = None
 
 
 class Reading(NamedTuple):
@@ -190,14 +196,16 @@ def run_check(
             m.training = training
         restore_buffers(buffers)
     ref_dtype = errors.pop(_REF_DTYPE)
+    by_module = errors.pop(_BY_MODULE)
     record = _record(mode, n, errors, tolerance, sorted(drawing))
+    record["by_module"] = by_module  # each module's worst example (`margins`)
     record.update(reference=ref_dtype, rounding_margin=ROUNDING_MARGIN)
     record["redrawn_near_kinks"] = len(redrawn)
     if not record["passed"]:
         if hasattr(wrapped, "_close"):
             wrapped._close()
         kind, where = record["worst"].split(" at ", 1)
-        raise PerSampleCheckError(
+        error = PerSampleCheckError(
             f"per-sample self-test: grad_sample_mode {mode!r} gives {kind} off by "
             f"{record['worst_rel_error']:.3g} (relative; {record['rounding_allowance']:.3g} of "
             f"it allowed for measured rounding, tolerance {tolerance:g} beyond) at {where}"
@@ -205,10 +213,13 @@ def run_check(
             + "; training refused: a wrong per-example norm or sum breaks the bound the "
             "accountant assumes (another finetune.grad_sample_mode may compute them right)"
         )
+        error.record = record
+        raise error
     return wrapped, record
 
 
 _REF_DTYPE = "reference dtype"
+_BY_MODULE = "by module"
 
 
 def _attempt(model, wrap, make_optimizer, groups, x, y, other, tolerance):
@@ -227,7 +238,17 @@ def _attempt(model, wrap, make_optimizer, groups, x, y, other, tolerance):
     errors = _compare(ref, got, moved, n // 2)
     failing = _failing_examples(ref, got, tolerance)
     errors_ok = max((e.beyond for e in errors.values()), default=0.0) <= tolerance
-    return wrapped, {**errors, _REF_DTYPE: ref.dtype}, ([] if errors_ok else failing)
+    how = {mod: got["how"][name] for mod, name in _names(groups).items() if name in got["how"]}
+    by_module = worst_examples(
+        ref.norms, ref.norms_working, _module_norm_measured(ref, got), FLOOR, how
+    )
+    extra = {_REF_DTYPE: ref.dtype, _BY_MODULE: by_module}
+    return wrapped, {**errors, **extra}, ([] if errors_ok else failing)
+
+
+def _names(groups: dict) -> dict[str, str]:
+    """Each group's module name as bk's `last_plan` keys it ("module 'a.b' (Class)" -> a.b)."""
+    return {mod: mod.split("'")[1] for mod in groups}
 
 
 def _failing_examples(ref: Reference, got: dict, tolerance: float) -> list[int]:
@@ -248,14 +269,7 @@ def _module_norm_errors(ref: Reference, got: dict) -> dict[str, torch.Tensor]:
 
 def _module_norm_measured(ref: Reference, got: dict) -> dict[str, torch.Tensor]:
     """Per module, each example's relative norm error as measured (nothing allowed for)."""
-    r, n = ref.norms, got["norms"]
-    whole_r = torch.sqrt(sum(v.pow(2) for v in r.values()))
-    tiny = torch.finfo(torch.float64).tiny
-    out = {}
-    for mod, rv in r.items():
-        scale = torch.maximum(rv, FLOOR * whole_r).clamp(min=tiny)
-        out[mod] = (n[mod] - rv).abs() / scale
-    return out
+    return relative_errors(got["norms"], ref.norms, FLOOR)
 
 
 def _record(mode, examples, errors: dict[str, Reading], tolerance, drawing) -> dict:
@@ -363,6 +377,7 @@ def _mode_run(wrapped, make_optimizer, groups, x, y, clip) -> dict[str, Any]:
             norms = {mod: wrapped.per_sample_norms(ps).double().cpu() for mod, ps in groups.items()}
         else:
             norms = {mod: _opacus_norms(ps, len(y)) for mod, ps in groups.items()}
+    how = _strategies(wrapped) if bk else {}
     sums = None
     if make_optimizer is not None and all(v.isfinite().all() for v in norms.values()):
         opt = make_optimizer(
@@ -380,7 +395,17 @@ def _mode_run(wrapped, make_optimizer, groups, x, y, clip) -> dict[str, Any]:
         wrapped.last_plan = {}
         if wrapped.workspace is not None:
             wrapped.workspace.clear()
-    return {"norms": norms, "sums": sums}
+    return {"norms": norms, "sums": sums, "how": how}
+
+
+def _strategies(bk) -> dict[str, str]:
+    """Module name -> how bk computed its norms (`LayerRecord.strategy`; "+fused": from the
+    layer's own backward kernel, `norm_fusion`), read before the records are cleared."""
+    names = {m: name or "<root>" for name, m in bk._module.named_modules()}
+    return {
+        names.get(r.module, "?"): r.strategy + ("+fused" if getattr(r, "per_example", ()) else "")
+        for r in bk.records.values()
+    }
 
 
 def _opacus_norms(ps: list[nn.Parameter], n: int) -> torch.Tensor:
