@@ -127,18 +127,28 @@ def checkpoint_path(cfg: Config, upstream: str) -> Path:
     return Path(cfg.results_dir) / "pretrain" / upstream / "model.pt"
 
 
-def proxy_run(
-    cfg: Config,
-    task: str,
-    upstream: str,
-    recipe: dict,
-    eps: float,
-    seed: int,
-    algorithm: str = DPSGD,
-    params: dict | None = None,
-) -> dict:
-    """One DP fine-tuning (`algorithm`, its `params` on top of the config's) of `upstream` on
-    the proxy with `recipe` at `eps`; accuracies."""
+@dataclass(frozen=True)
+class Run:
+    """One run of the search: an upstream fine-tuned with a recipe (and the algorithm's params
+    on top of the config's) at one epsilon and seed."""
+
+    upstream: str
+    recipe: dict[str, Any]
+    eps: float
+    seed: int
+    algorithm: str = DPSGD
+    params: dict[str, Any] | None = None
+
+    def key(self, ckpt_digest: str) -> str:
+        """The cache key; DP-SGD's without params as it always was (its cache stays valid)."""
+        parts: list[Any] = [ckpt_digest, self.recipe, self.upstream, self.eps, self.seed]
+        if self.algorithm != DPSGD or self.params:
+            parts += [self.algorithm, self.params or {}]
+        return json.dumps(parts, sort_keys=True)
+
+
+def proxy_run(cfg: Config, task: str, run: Run) -> dict:
+    """One DP fine-tuning of the proxy task (`run`); its accuracies."""
     from dpadapter.data import public_train
     from dpadapter.models import replace_head
     from dpadapter.train.checkpoint import load_model
@@ -147,20 +157,21 @@ def proxy_run(
     from dpadapter.train.job import seed_everything
     from dpadapter.train.loops import evaluate
 
-    c = with_recipe(cfg, recipe, check=False)
-    if params:
-        own = {**c.finetune.algo_params.get(algorithm, {}), **params}
-        ft = dataclasses.replace(c.finetune, algo_params={**c.finetune.algo_params, algorithm: own})
+    c = with_recipe(cfg, run.recipe, check=False)
+    algo, seed = run.algorithm, run.seed
+    if run.params:
+        own = {**c.finetune.algo_params.get(algo, {}), **run.params}
+        ft = dataclasses.replace(c.finetune, algo_params={**c.finetune.algo_params, algo: own})
         c = dataclasses.replace(c, finetune=ft)
     seed_everything(seed)
     data = _splits(c, task)
-    model, _ = load_model(checkpoint_path(c, upstream))
+    model, _ = load_model(checkpoint_path(c, run.upstream))
     replace_head(model, data.num_classes, seed)
-    spec = run_spec(c, algorithm, eps, len(data.train), upstream, task)
+    spec = run_spec(c, algo, run.eps, len(data.train), run.upstream, task)
     _, ledger = dp_fit(
         model,
         data.train,
-        algorithm,
+        algo,
         spec,
         FitSettings.from_config(c),
         seed,
@@ -195,25 +206,8 @@ def _worker_init() -> None:
 
 
 def _job(args: tuple) -> tuple[str, dict]:
-    cfg_path, task, upstream, recipe, eps, seed, algorithm, params, key = args
-    cfg = load_config(cfg_path)
-    return key, proxy_run(cfg, task, upstream, recipe, eps, seed, algorithm, params)
-
-
-def run_key(
-    ckpt_digest: str,
-    recipe: dict,
-    upstream: str,
-    eps: float,
-    seed: int,
-    algorithm: str = DPSGD,
-    params: dict | None = None,
-) -> str:
-    """A run's cache key; DP-SGD's without params as it always was (its cache stays valid)."""
-    parts: list[Any] = [ckpt_digest, recipe, upstream, eps, seed]
-    if algorithm != DPSGD or params:
-        parts += [algorithm, params or {}]
-    return json.dumps(parts, sort_keys=True)
+    cfg_path, task, run, key = args
+    return key, proxy_run(load_config(cfg_path), task, run)
 
 
 def score(rows: list[dict]) -> dict:
@@ -244,10 +238,11 @@ def search(cfg_path: Path, search: Search, cache_path: Path, workers: int) -> di
     algo = search.algorithm
     for recipe, params in search.trials():
         for u, e, s in itertools.product(search.upstreams, search.epsilons, search.seeds):
-            key = run_key(digests[u], recipe, u, e, s, algo, params)
+            key = Run(u, recipe, e, s, algo, params).key(digests[u])
             plan.append(((recipe, params), u, e, s, key))
             if key not in cache:
-                jobs.append((str(cfg_path), search.proxy_task, u, recipe, e, s, algo, params, key))
+                run = Run(u, recipe, e, s, algo, params)
+                jobs.append((str(cfg_path), search.proxy_task, run, key))
     print(f"recipe search: {len(plan)} runs, {len(plan) - len(jobs)} cached", file=sys.stderr)
     cache_path.parent.mkdir(parents=True, exist_ok=True)
     with ProcessPoolExecutor(workers, initializer=_worker_init) as pool, cache_path.open("a") as f:
