@@ -279,3 +279,15 @@ def test_a_recipe_for_an_unknown_algorithm_or_key_is_refused(tiny_raw):
     tiny_raw["finetune"]["recipes"] = {"adpclip": {"learning_rate": 0.2}}
     with pytest.raises(ConfigError, match="learning_rate"):
         validate(tiny_raw)
+
+
+def test_adpclips_clip_course_is_logged_per_epoch(tiny_cfg, scratch_ckpt, tmp_path):
+    """C_t after each epoch (post-processing of its noisy counts) in metrics.json: what
+    docs/validity.md reads AdpClip's cells with; algorithms that adapt nothing log nothing."""
+    m = finetune.run(
+        tiny_cfg, "scratch", "syn-shift", "adpclip", 2.0, 0, scratch_ckpt, tmp_path / "a"
+    )
+    clips = [e["clip"] for e in m["epochs"]]
+    assert len(clips) == tiny_cfg.finetune.epochs and all(c > 0 for c in clips)
+    assert clips[-1] != tiny_cfg.finetune.max_grad_norm  # it moved from C_0
+    assert "clip" not in _run(tiny_cfg, scratch_ckpt, tmp_path / "d")["epochs"][0]

@@ -147,8 +147,9 @@ class Run:
         return json.dumps(parts, sort_keys=True)
 
 
-def proxy_run(cfg: Config, task: str, run: Run) -> dict:
-    """One DP fine-tuning of the proxy task (`run`); its accuracies."""
+def proxy_run(cfg: Config, task: str, run: Run, on_epoch=None) -> dict:
+    """One DP fine-tuning of the proxy task (`run`); its accuracies. `on_epoch(epoch, stats)`:
+    each epoch's training stats (a probe of the algorithm's course, tools/table1_probe.py)."""
     from dpadapter.data import public_train
     from dpadapter.models import replace_head
     from dpadapter.train.checkpoint import load_model
@@ -176,6 +177,7 @@ def proxy_run(cfg: Config, task: str, run: Run) -> dict:
         FitSettings.from_config(c),
         seed,
         public=public_train(c),  # GEP's anchor gradients: the public set, as in the grid
+        on_epoch=on_epoch,
     )
     return {
         "val_accuracy": evaluate(model, data.val),
