@@ -159,7 +159,7 @@ def test_a_knob_the_algorithm_does_not_have_is_refused(tmp_path):
 @pytest.mark.parametrize(
     "chosen", sorted((REPO / "configs/recipe").glob("chosen-*.yaml")), ids=lambda p: p.stem
 )
-def test_table1_holds_each_algorithms_chosen_recipe(chosen):
+def test_the_configs_hold_each_algorithms_chosen_recipe(chosen):
     from dpadapter.settings import read_raw
 
     got = yaml.safe_load(chosen.read_text())
@@ -167,8 +167,8 @@ def test_table1_holds_each_algorithms_chosen_recipe(chosen):
     search = recipe.Search.load(REPO / "configs/recipe" / f"search-{algo}.yaml")
     assert search.algorithm == algo
     assert (got["chosen"], got["chosen_algo_params"]) in search.trials()
-    ft = read_raw(REPO / "configs/table1.yaml")["finetune"]
-    assert ft["recipes"][algo] == got["chosen"]
-    assert {k: ft["algo_params"][algo][k] for k in got["chosen_algo_params"]} == got[
-        "chosen_algo_params"
-    ]
+    for name in ("config.yaml", "configs/table1.yaml"):
+        ft = read_raw(REPO / name)["finetune"]
+        assert ft["recipes"][algo] == got["chosen"], name
+        own = got["chosen_algo_params"]
+        assert {k: ft["algo_params"][algo][k] for k in own} == own, name

@@ -119,9 +119,9 @@ def _newer_than_the_formulas(config: dict, stage: str, wc: Wildcards) -> bool:
     if stage == "pretrain":
         return wc.upstream in config.get("pretrain", {}).get("external", {})
     ft = config.get("finetune", {})
-    if stage == "finetune" and wc.algo.partition("+")[0] in ft.get("recipes", {}):
-        return True  # its own recipe (`finetune.recipes`): test_an_algorithms_recipe_...
-    return stage == "finetune" and bool(ft.get("algo_params_for") or ft.get("strategies"))
+    # `finetune.recipes` (per-algorithm recipes): test_an_algorithms_recipe_reruns_...
+    newer = ("algo_params_for", "strategies", "recipes")
+    return stage == "finetune" and any(ft.get(k) for k in newer)
 
 
 @pytest.mark.parametrize("stage", sorted(OLD))
@@ -293,6 +293,7 @@ def test_a_new_folder_reruns_no_finetune_job_when_an_upstream_is_added():
     from dpadapter.workflow.fingerprint import CURRENT_VERSION
 
     config = _load("config.yaml")
+    config["finetune"].pop("recipes", None)  # the formulas predate per-algorithm recipes
     grown = copy.deepcopy(config)
     grown["finetune"]["upstreams"] = [*config["finetune"]["upstreams"], "control"]
     for wc in _jobs(config):
@@ -314,6 +315,9 @@ def test_an_algorithms_recipe_reruns_its_jobs_only_and_is_what_they_train_with()
     the same values as the shared section (a recipe equal to it) rerun nothing, other
     algorithms' jobs (and the audit and federated stages, which read the shared recipe) never."""
     config = _load("config.yaml")
+    config["finetune"].pop("recipes", None)  # as before recipes existed: the formulas hold
+    for wc in _jobs(config):
+        assert stage_fingerprint(config, "finetune", wc) == OLD["finetune"](config, wc), wc
     shared = {k: config["finetune"][k] for k in ("lr", "max_grad_norm")}
     same = copy.deepcopy(config)
     same["finetune"]["recipes"] = {"adpclip": dict(shared)}

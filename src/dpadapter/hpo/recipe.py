@@ -22,7 +22,8 @@ Each algorithm is tuned the same way (`algorithm` in the search file; one file p
 algorithm's own knobs (`algo_space`, keys of its `finetune.algo_params` entry, e.g. AdpClip's
 target quantile and clip learning rate, DP-SAT's rho) are searched together, with the same
 upstreams, epsilons, seeds and score; the chosen values go to `finetune.recipes.<algo>` and
-`finetune.algo_params.<algo>` of the config that runs it (configs/table1.yaml).
+`finetune.algo_params.<algo>` of config.yaml (configs/table1.yaml, which shares its results
+folder, inherits them).
 
 Every run is deterministic (explicit seeds, one CPU thread per worker, the pipeline's own DP
 fine-tuning code: `train.dp_fit` with the configured accountant and Poisson sampling), so a
@@ -321,8 +322,9 @@ HEADER = (
 ALGO_HEADER = (
     "# Written by `python -m dpadapter.hpo.recipe --search {search}` (dpadapter/hpo/recipe.py) on\n"
     "# the public proxy task, the procedure of DP-SGD's recipe (configs/recipe/search.yaml) for\n"
-    "# {algo}; configs/table1.yaml holds `chosen` in finetune.recipes.{algo} and\n"
-    "# `chosen_algo_params` in finetune.algo_params.{algo} (tests/hpo/test_recipe.py).\n"
+    "# {algo}; config.yaml (and so configs/table1.yaml) holds `chosen` in\n"
+    "# finetune.recipes.{algo} and `chosen_algo_params` in finetune.algo_params.{algo}\n"
+    "# (tests/hpo/test_recipe.py).\n"
     "# Do not edit by hand: re-run the script.\n"
 )
 
