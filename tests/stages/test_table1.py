@@ -116,3 +116,5 @@ def test_a_gain_the_control_matches_is_not_credited_to_dpadapter():
     comps[("dpadapter", "control")] = _comp(-0.02, -0.03, -0.01)
     assert "the gain is the extra training, not DPAdapter" in table1.verdict("adpclip", comps)
     assert table1.verdict("adpclip", {}).startswith("not testable")
+    del comps[("dpadapter", "control")]
+    assert "no compute-matched control ran" in table1.verdict("adpclip", comps)

@@ -115,6 +115,8 @@ def verdict(algorithm: str, comps: dict[tuple[str, str], dict]) -> str:
                     f", not told apart from the compute-matched control ({_interval(ctl)}): "
                     "extra training may explain it"
                 )
+        else:
+            answer += "; no compute-matched control ran, so extra training may explain it"
         return answer
     if p["high"] < 0:
         return f"**no, it hurts**: {said}"
