@@ -117,3 +117,58 @@ def test_search_refuses_a_proxy_in_the_grids(tmp_path, tiny_raw, monkeypatch):
     cfg_path, search = _setup(tmp_path, tiny_raw, grids=True)
     with pytest.raises(ValueError, match="grids: false"):
         recipe.main(["--config", str(cfg_path), "--search", str(search), "--workers", "1"])
+
+
+def test_an_algorithm_is_searched_with_its_own_knobs(tmp_path, tiny_raw, monkeypatch):
+    """The same procedure for another algorithm: its params searched with the recipe, the pick
+    by the same score, both recorded (what configs/table1.yaml must then hold)."""
+    monkeypatch.chdir(tmp_path)
+    cfg_path, search = _setup(tmp_path, tiny_raw)
+    raw = yaml.safe_load(search.read_text())
+    raw["algorithm"] = "adpalloc"
+    raw["algo_space"] = {"decay": [0.0, 0.5]}
+    raw["space"].update(lr=[1.0], epochs=[2])  # adpalloc decays sigma by epoch
+    search.write_text(yaml.safe_dump(raw))
+    out = tmp_path / "chosen.yaml"
+    args = ["--config", str(cfg_path), "--search", str(search), "--out", str(out)]
+    assert recipe.main([*args, "--cache", str(tmp_path / "runs.jsonl"), "--workers", "1"]) == 0
+    text = out.read_text()
+    got = yaml.safe_load(text)
+    assert "finetune.recipes.adpalloc" in text.split("\nalgorithm:")[0]  # the header says where
+    assert got["algorithm"] == "adpalloc"
+    assert [c["algo_params"] for c in got["candidates"]] == [{"decay": 0.0}, {"decay": 0.5}]
+    by_score = max(got["candidates"], key=lambda c: c["score"])
+    assert (got["chosen"], got["chosen_algo_params"]) == (
+        by_score["recipe"],
+        by_score["algo_params"],
+    )
+    # the two decays are different runs (adpalloc's noise schedule), not one cached twice
+    assert got["candidates"][0]["cells"] != got["candidates"][1]["cells"]
+
+
+def test_a_knob_the_algorithm_does_not_have_is_refused(tmp_path):
+    raw = {"proxy_task": "p", "upstreams": ["scratch"], "epsilons": [1], "seeds": [0],
+           "space": {k: [1] for k in recipe.KEYS}, "algorithm": "adpclip",
+           "algo_space": {"rho": [0.1]}}  # fmt: skip
+    p = tmp_path / "s.yaml"
+    p.write_text(yaml.safe_dump(raw))
+    with pytest.raises(ValueError, match=r"\['rho'\] are not adpclip's params"):
+        recipe.Search.load(p)
+
+
+@pytest.mark.parametrize(
+    "chosen", sorted((REPO / "configs/recipe").glob("chosen-*.yaml")), ids=lambda p: p.stem
+)
+def test_the_configs_hold_each_algorithms_chosen_recipe(chosen):
+    from dpadapter.settings import read_raw
+
+    got = yaml.safe_load(chosen.read_text())
+    algo = got["algorithm"]
+    search = recipe.Search.load(REPO / "configs/recipe" / f"search-{algo}.yaml")
+    assert search.algorithm == algo
+    assert (got["chosen"], got["chosen_algo_params"]) in search.trials()
+    for name in ("config.yaml", "configs/table1.yaml"):
+        ft = read_raw(REPO / name)["finetune"]
+        assert ft["recipes"][algo] == got["chosen"], name
+        own = got["chosen_algo_params"]
+        assert {k: ft["algo_params"][algo][k] for k in own} == own, name

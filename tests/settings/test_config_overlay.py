@@ -213,7 +213,8 @@ def test_every_shipped_config_loads_merges_and_validates(path):
 def test_overlays_own_their_results_folder():
     """An overlay that forgot `results_dir` would write into its base's results. Configs that
     share a folder on purpose (configs/strategies.yaml: the default grid under three tuning
-    strategies, beside the default run's jobs) must be one experiment: they differ only in
+    strategies, beside the default run's jobs; configs/table1.yaml: every algorithm and a third
+    task beside them) must be one experiment: they differ only in
     which jobs exist, so `identity.check` lets them share it and no job of one reruns another's."""
     from dpadapter.workflow.identity import differences, sections
 
@@ -221,7 +222,7 @@ def test_overlays_own_their_results_folder():
     for p in [REPO / "config.yaml", *SHIPPED]:
         by_dir.setdefault(read_raw(p)["results_dir"], []).append(p)
     shared = {d: [p.name for p in ps] for d, ps in by_dir.items() if len(ps) > 1}
-    assert shared == {"results": ["config.yaml", "strategies.yaml"]}, shared
+    assert shared == {"results": ["config.yaml", "strategies.yaml", "table1.yaml"]}, shared
     for ps in by_dir.values():
         first = load(ps[0])
         for p in ps[1:]:

@@ -245,3 +245,49 @@ def test_a_compiled_job_records_it_and_trains_as_the_eager_one(
     b = torch.load(tmp_path / "default" / "model.pt", weights_only=True)["state_dict"]
     for k in a:
         assert torch.allclose(a[k].float(), b[k].float(), rtol=1e-4, atol=1e-5), k
+
+
+def test_an_algorithms_recipe_is_what_its_jobs_train_with(tiny_raw, scratch_ckpt, tmp_path):
+    """`finetune.recipes.<algo>` replaces the shared recipe for that algorithm's jobs only: the
+    steps, batch and clip reach the accountant, the lr the optimizer (and metrics.json)."""
+    from dpadapter.settings import from_dict
+
+    tiny_raw["finetune"]["recipes"] = {"adpalloc": {"lr": 0.2, "batch_size": 100, "epochs": 1}}
+    cfg = from_dict(tiny_raw)
+    own = finetune.run(
+        cfg, "scratch", "syn-shift", "adpalloc", 2.0, 0, scratch_ckpt, tmp_path / "a"
+    )
+    shared = _run(cfg, scratch_ckpt, tmp_path / "s")
+    assert (own["hyperparameters"]["lr"], own["hyperparameters"]["epochs"]) == (0.2, 1)
+    assert own["privacy"]["steps"] == 400 // 100 and own["privacy"]["sample_rate"] == 0.25
+    ft = tiny_raw["finetune"]
+    assert (shared["hyperparameters"]["lr"], shared["hyperparameters"]["epochs"]) == (
+        ft["lr"],
+        ft["epochs"],
+    )
+
+
+def test_a_recipe_for_an_unknown_algorithm_or_key_is_refused(tiny_raw):
+    from dpadapter.settings import ConfigError
+    from dpadapter.validation.compose import validate
+
+    tiny_raw["finetune"]["recipes"] = {"adpclip": {"lr": 0.2}}
+    assert validate(tiny_raw).finetune.for_algorithm("adpclip").lr == 0.2
+    tiny_raw["finetune"]["recipes"] = {"adpclipp": {"lr": 0.2}}
+    with pytest.raises(ConfigError, match="finetune.recipes.adpclipp: unknown algorithm"):
+        validate(tiny_raw)
+    tiny_raw["finetune"]["recipes"] = {"adpclip": {"learning_rate": 0.2}}
+    with pytest.raises(ConfigError, match="learning_rate"):
+        validate(tiny_raw)
+
+
+def test_adpclips_clip_course_is_logged_per_epoch(tiny_cfg, scratch_ckpt, tmp_path):
+    """C_t after each epoch (post-processing of its noisy counts) in metrics.json: what
+    docs/validity.md reads AdpClip's cells with; algorithms that adapt nothing log nothing."""
+    m = finetune.run(
+        tiny_cfg, "scratch", "syn-shift", "adpclip", 2.0, 0, scratch_ckpt, tmp_path / "a"
+    )
+    clips = [e["clip"] for e in m["epochs"]]
+    assert len(clips) == tiny_cfg.finetune.epochs and all(c > 0 for c in clips)
+    assert clips[-1] != tiny_cfg.finetune.max_grad_norm  # it moved from C_0
+    assert "clip" not in _run(tiny_cfg, scratch_ckpt, tmp_path / "d")["epochs"][0]

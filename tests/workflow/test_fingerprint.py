@@ -119,7 +119,9 @@ def _newer_than_the_formulas(config: dict, stage: str, wc: Wildcards) -> bool:
     if stage == "pretrain":
         return wc.upstream in config.get("pretrain", {}).get("external", {})
     ft = config.get("finetune", {})
-    return stage == "finetune" and bool(ft.get("algo_params_for") or ft.get("strategies"))
+    # `finetune.recipes` (per-algorithm recipes): test_an_algorithms_recipe_reruns_...
+    newer = ("algo_params_for", "strategies", "recipes")
+    return stage == "finetune" and any(ft.get(k) for k in newer)
 
 
 @pytest.mark.parametrize("stage", sorted(OLD))
@@ -205,6 +207,10 @@ def _another_algorithms_params(config):
     config["finetune"].setdefault("algo_params", {})["some-other-algorithm"] = {"rho": 0.1}
 
 
+def _another_algorithms_recipe(config):
+    config["finetune"].setdefault("recipes", {})["some-other-algorithm"] = {"lr": 0.5}
+
+
 def _another_methods_params(config):
     config["pretrain"]["params"]["some-other-method"] = {"lr": 0.1}
 
@@ -217,6 +223,7 @@ GRID_CHANGES = {
     "finetune.extra_grids": (_append("finetune", "extra_grids"), "finetune"),
     "finetune.strategies": (_append("finetune", "strategies"), "finetune"),
     "finetune.algo_params": (_another_algorithms_params, "finetune"),
+    "finetune.recipes": (_another_algorithms_recipe, "finetune"),
     "pretrain.methods": (_append("pretrain", "methods"), "pretrain"),
     "pretrain.params": (_another_methods_params, "pretrain"),
     "audit.epsilons": (_append("audit", "epsilons"), "audit"),
@@ -286,6 +293,7 @@ def test_a_new_folder_reruns_no_finetune_job_when_an_upstream_is_added():
     from dpadapter.workflow.fingerprint import CURRENT_VERSION
 
     config = _load("config.yaml")
+    config["finetune"].pop("recipes", None)  # the formulas predate per-algorithm recipes
     grown = copy.deepcopy(config)
     grown["finetune"]["upstreams"] = [*config["finetune"]["upstreams"], "control"]
     for wc in _jobs(config):
@@ -300,6 +308,30 @@ def test_a_new_folder_reruns_no_finetune_job_when_an_upstream_is_added():
     assert stage_fingerprint(changed, "finetune", wc, 2) != stage_fingerprint(
         config, "finetune", wc, 2
     )
+
+
+def test_an_algorithms_recipe_reruns_its_jobs_only_and_is_what_they_train_with():
+    """`finetune.recipes.<algo>`: its jobs' trigger is the section with the recipe in place, so
+    the same values as the shared section (a recipe equal to it) rerun nothing, other
+    algorithms' jobs (and the audit and federated stages, which read the shared recipe) never."""
+    config = _load("config.yaml")
+    config["finetune"].pop("recipes", None)  # as before recipes existed: the formulas hold
+    for wc in _jobs(config):
+        assert stage_fingerprint(config, "finetune", wc) == OLD["finetune"](config, wc), wc
+    shared = {k: config["finetune"][k] for k in ("lr", "max_grad_norm")}
+    same = copy.deepcopy(config)
+    same["finetune"]["recipes"] = {"adpclip": dict(shared)}
+    other = copy.deepcopy(config)
+    other["finetune"]["recipes"] = {"adpclip": {"lr": shared["lr"] * 2}}
+    for over in JOBS:
+        for algo in ("dpsgd", "adpclip"):
+            wc = _job(config, **{**over, "algo": over.get("algo", algo).replace("dpsgd", algo)})
+            for stage in ("finetune", "audit", "federated"):
+                for version in (1, 2):
+                    before = stage_fingerprint(config, stage, wc, version)
+                    assert stage_fingerprint(same, stage, wc, version) == before
+                    rerun = stage_fingerprint(other, stage, wc, version) != before
+                    assert rerun == (stage == "finetune" and algo == "adpclip"), (stage, wc)
 
 
 def test_a_strategys_job_reads_its_algorithms_params():

@@ -28,7 +28,7 @@ rule aggregate:
         "--paired-json {output.paired} > {log} 2>&1"
 
 
-FIGURE_ALGOS = list(dict.fromkeys(job[2] for job in CFG.finetune_grid()))
+FIGURE_ALGOS = list(CFG.grid_algorithms())
 
 
 rule figures:

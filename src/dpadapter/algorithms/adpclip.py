@@ -220,6 +220,10 @@ class AdpClip(DPAlgorithm):
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "clip": self.clip}
 
+    def epoch_stats(self) -> dict[str, float]:
+        # C_t: moved only by the noisy counts (post-processing of accounted releases)
+        return {"clip": self.clip}
+
     def restore(self, state: dict[str, Any], place: Place) -> None:
         if self.optimizer is not None:
             self.optimizer.max_grad_norm = float(state["clip"])

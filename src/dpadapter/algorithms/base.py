@@ -349,6 +349,11 @@ class DPAlgorithm:
     def restore(self, state: dict[str, Any], place: Place) -> None:
         """A variant's own part of `state` (what its `state_dict` added), placed by `place`."""
 
+    def epoch_stats(self) -> dict[str, float]:
+        """What the algorithm adapted during training, logged with each epoch's stats (only
+        values computed from its releases, so publishing them costs no privacy)."""
+        return {}
+
     def describe(self) -> dict[str, Any]:
         """Hyperparameters for metrics.json and MLflow (`noise_multiplier`: the accounted one)."""
         out = {"algorithm": self.name, "noise_multiplier": self.sigma, **self.params}

@@ -9,6 +9,7 @@ the loops and the experiments above all read the same tasks.
 """
 
 from dpadapter.data import imagefolder as _imagefolder  # noqa: F401  (registers its family)
+from dpadapter.data import sklearn_digits as _sklearn_digits  # noqa: F401  (registers it)
 from dpadapter.data import sources as _sources  # noqa: F401  (registers the loaders)
 from dpadapter.data.registry import (
     DATASET_INFO,

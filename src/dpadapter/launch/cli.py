@@ -177,7 +177,13 @@ def _dispatch(args: argparse.Namespace, cfg) -> None:
         from dpadapter.stages import aggregate
 
         rows = aggregate.run(
-            args.metrics, args.pretrain, list(cfg.upstreams), args.csv, args.md, args.paired_json
+            args.metrics,
+            args.pretrain,
+            list(cfg.upstreams),
+            args.csv,
+            args.md,
+            args.paired_json,
+            list(cfg.grid_algorithms()),
         )
         print(f"aggregate: {len(rows)} rows from {len(args.metrics)} runs", file=sys.stderr)
         _print_written([args.csv, args.md])

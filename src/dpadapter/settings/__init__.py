@@ -40,6 +40,7 @@ from dpadapter.settings.reference import ReferenceCell, ReferenceConfig
 from dpadapter.settings.schema import base_schema, validate_raw
 from dpadapter.settings.sections import (
     RANDOMNESS,
+    RECIPE_KEYS,
     STRATEGY_SEP,
     DataConfig,
     FinetuneConfig,
@@ -61,6 +62,7 @@ __all__ = [
     "DEFAULT_METHODS",
     "MERGED_FILE",
     "RANDOMNESS",
+    "RECIPE_KEYS",
     "STRATEGY_SEP",
     "UNSET_KEY",
     "AuditConfig",

@@ -78,6 +78,11 @@ class Config:
         """Tasks the fine-tuning grids use by default: every task not marked `grids: false`."""
         return tuple(n for n, t in self.tasks.items() if t.grids)
 
+    def grid_algorithms(self) -> tuple[str, ...]:
+        """The fine-tuning grids' algorithms in the order the config names them, main grid
+        first: the order of the table's algorithm blocks, as the paper's table lists them."""
+        return tuple(dict.fromkeys(job[2] for job in self.finetune_grid()))
+
     def finetune_grid(self) -> list[tuple[str, str, str, float, int, str]]:
         """Every (upstream, task, algorithm, epsilon, seed, strategy) job, main grid first, no
         duplicates; `finetune.folder(algorithm, strategy)` is its algorithm folder."""

@@ -11,7 +11,7 @@ The feature sections (HPO, federated, audit, reference) are in their own modules
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from dpadapter.settings.errors import ConfigError
@@ -191,6 +191,9 @@ class FinetuneConfig:
     extra_grids: tuple[GridConfig, ...] = ()
     algo_params: dict[str, dict[str, Any]] = field(default_factory=dict)
     algo_params_for: tuple[ParamsFor, ...] = ()
+    # Per-algorithm recipe: RECIPE_KEYS of this section that an algorithm's jobs take instead
+    # (each algorithm tuned on the public proxy as DP-SGD's recipe was: dpadapter.hpo.recipe)
+    recipes: dict[str, dict[str, Any]] = field(default_factory=dict)
     strategy: str = "ft"  # dpadapter.train.strategies: ft (all), ht (head), ut (HT, FT), bitfit
     # the tuning strategies of the main grid, an axis like epsilons (empty = `strategy` alone);
     # `strategy`'s jobs keep the plain algorithm folder, the others' are `<algo>+<strategy>`
@@ -239,6 +242,12 @@ class FinetuneConfig:
         so adding a strategy to a grid moves no finished job (`split_folder` reads it back)."""
         return join_folder(algo, None if strategy == self.strategy else strategy)
 
+    def for_algorithm(self, algo: str) -> FinetuneConfig:
+        """This section as `algo`'s jobs train with it: its `recipes` entry in place of the
+        shared recipe (the section itself for an algorithm without one)."""
+        own = self.recipes.get(algo)
+        return replace(self, **own) if own else self
+
     def params_of(
         self, algo: str, upstream: str | None = None, task: str | None = None
     ) -> dict[str, Any]:
@@ -249,6 +258,10 @@ class FinetuneConfig:
                 out.update(entry.algo_params.get(algo, {}))
         return out
 
+
+# The fine-tuning recipe: the keys of `finetune` a recipe search chooses (dpadapter.hpo.recipe)
+# and `finetune.recipes` may set per algorithm.
+RECIPE_KEYS = ("batch_size", "epochs", "lr", "momentum", "max_grad_norm")
 
 # Between an algorithm and a tuning strategy in a fine-tuning job's folder (`dpsgd+ht`).
 STRATEGY_SEP = "+"

@@ -118,13 +118,21 @@ def _cells(rows: list[dict], mean: str, std: str) -> dict[tuple, str]:
 
 
 def table1_markdown(
-    rows: list[dict], upstream_order: list[str], pretrain: dict[str, dict] | None = None
+    rows: list[dict],
+    upstream_order: list[str],
+    pretrain: dict[str, dict] | None = None,
+    algorithm_order: list[str] | None = None,
 ) -> str:
     """Rows algorithm (x tuning strategy) x upstream, columns task x epsilon plus the average
-    over tasks. Several strategies get a Strategy column; one is named under the title."""
+    over tasks. Several strategies get a Strategy column; one is named under the title.
+    `algorithm_order`: the blocks' order (the config's grids, as the paper's table lists its
+    algorithms); algorithms it does not name follow, in the rows' order."""
     tasks = sorted({r["task"] for r in rows})
     epss = sorted({r["epsilon"] for r in rows})
     methods = list(dict.fromkeys(_key(r) for r in rows))
+    if algorithm_order:
+        rank = {a: i for i, a in enumerate(algorithm_order)}
+        methods.sort(key=lambda m: rank.get(m[0], len(rank)))  # stable: rows' order within
     labels = {_key(r): r.get("_strategy_label", r.get("strategy", "ft")) for r in rows}
     several = len({m[1] for m in methods}) > 1
     present = list(dict.fromkeys(r["upstream"] for r in rows))
@@ -263,10 +271,12 @@ def run(
     csv_out: Path,
     md_out: Path,
     paired_json: Path | None = None,
+    algorithm_order: list[str] | None = None,
 ) -> list[dict]:
     """finetune.csv and finetune.md: the table, the paired differences between upstreams
-    (`stages.paired`; their numbers to `paired_json`) and any unverified jobs named."""
-    from dpadapter.stages import paired
+    (`stages.paired`; their numbers to `paired_json`), the paper's Table 1 question answered
+    per algorithm (`stages.table1`) and any unverified jobs named."""
+    from dpadapter.stages import paired, table1
 
     metrics = [json.loads(Path(p).read_text()) for p in metrics_paths]  # read once
     rows = rows_of(metrics)
@@ -275,9 +285,11 @@ def run(
     for p in pretrain_paths:
         m = json.loads(Path(p).read_text())
         pre[m["wildcards"]["upstream"]] = m
+    result = paired.analyse(metrics)
     md_out.write_text(
-        table1_markdown(rows, upstream_order, pre)
-        + paired.run(metrics, paired_json)
+        table1_markdown(rows, upstream_order, pre, algorithm_order)
+        + paired.run(metrics, paired_json, result)
+        + table1.markdown(result, algorithm_order)
         + unverified_note(metrics)
     )
     return rows

@@ -29,6 +29,11 @@ def algorithm_problems(cfg: Config) -> list[str]:
         for name in cfg.finetune.algorithms
         if name not in algos
     ]
+    out += [
+        f"finetune.recipes.{name}: unknown algorithm {name!r}; known: {sorted(algos)}"
+        for name in cfg.finetune.recipes
+        if name not in algos
+    ]
     used = dict.fromkeys(job[2] for job in cfg.finetune_grid())
     if cfg.finetune.compile != "off":
         out += [

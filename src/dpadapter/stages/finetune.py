@@ -75,6 +75,8 @@ def run(
     if not math.isfinite(eps) or eps <= 0:
         raise ValueError(f"epsilon must be positive and finite, got {eps}")
     cfg, own_strategy = for_strategy(cfg, strategy)
+    # the algorithm's own recipe where `finetune.recipes` has one (its jobs' fingerprint too)
+    cfg = replace(cfg, finetune=cfg.finetune.for_algorithm(algo_name))
     seed_everything(seed)
     clock = PhaseClock()
     with clock.phase("data_and_checkpoint"):

@@ -185,9 +185,10 @@ def _cell_names(comps: list[dict]) -> list[str]:
     return list(seen)
 
 
-def run(metrics: list[dict], json_out: Path | None = None) -> str:
-    """The paired section (markdown) of these jobs; its numbers to `json_out` when given."""
-    result = analyse(metrics)
+def run(metrics: list[dict], json_out: Path | None = None, result: dict | None = None) -> str:
+    """The paired section (markdown) of these jobs; its numbers to `json_out` when given.
+    `result`: `analyse(metrics)` when the caller has it already (it fits a model per pair)."""
+    result = analyse(metrics) if result is None else result
     if json_out is not None:
         json_out.write_text(json.dumps(result, indent=1, default=str) + "\n")
     return markdown(result)

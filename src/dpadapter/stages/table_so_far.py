@@ -119,7 +119,13 @@ def markdown(all_runs: list[dict], rows: list[dict], cfg: Config, now: str) -> s
         first, rest = text.split("\n", 1)
         text = f"{first}\n\n{head}\n{rest}"
     else:
-        body = aggregate.table1_markdown(rows, list(cfg.upstreams)) if rows else "No run finished."
+        body = (
+            aggregate.table1_markdown(
+                rows, list(cfg.upstreams), algorithm_order=list(cfg.grid_algorithms())
+            )
+            if rows
+            else "No run finished."
+        )
         text = f"# Fine-tuning: so far\n\n{head}\n\n{body}".rstrip("\n")
     unfinished = [r for r in all_runs if r["status"] != FINISHED]
     lines = [text, "", "## Runs not finished", ""]

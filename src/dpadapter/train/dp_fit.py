@@ -270,6 +270,7 @@ def dp_fit(
                 "steps": ledger.steps,
                 "epsilon_spent": ledger.epsilon(),
                 "noise_multiplier": algo.noise_multiplier(epoch),
+                **algo.epoch_stats(),
             }
         if val is not None and len(val):
             with clock.phase("validation_per_epoch"):

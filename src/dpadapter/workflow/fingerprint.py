@@ -37,6 +37,7 @@ FINETUNE_GRID = (
     "strategies",
     "algo_params",
     "algo_params_for",
+    "recipes",
 )
 # The fine-tune jobs' fingerprint has covered `finetune.upstreams` since it was written; leaving
 # it out now would rerun every finished fine-tuning job after an upgrade.
@@ -155,8 +156,25 @@ class Stage:
         return names
 
 
-_FINETUNE_JOB = without("finetune", _FINETUNE_JOB_GRID)
-_FINETUNE = without("finetune", FINETUNE_GRID)
+def with_recipe(part: Part) -> Part:
+    """`part` (the finetune section a job reads) with the job's algorithm's `finetune.recipes`
+    entry in place of the shared recipe: what the job trains with. Without an entry the value
+    is the section's, as it always was, so jobs built before recipes existed are not rerun."""
+
+    def job(config: Mapping[str, Any], wildcards: Any) -> dict[str, Any]:
+        out = part(config, wildcards)
+        algo = str(_wildcard(wildcards, "algo") or "").partition("+")[0]
+        own = config.get("finetune", {}).get("recipes", {}).get(algo)
+        return {**out, **own} if own else out
+
+    job.__name__ = f"with_recipe({part.__name__})"
+    return job
+
+
+_FINETUNE_JOB = with_recipe(without("finetune", _FINETUNE_JOB_GRID))
+# the audit and federated stages train with the shared recipe (they read no `recipes`)
+_FINETUNE_SHARED = without("finetune", FINETUNE_GRID)
+_FINETUNE = with_recipe(_FINETUNE_SHARED)
 # Version 2 (results folders begun by this code, dpadapter.workflow.identity.fingerprint_version): a
 # fine-tuning job's trigger leaves out `finetune.upstreams` too, so adding an upstream runs only
 # the new jobs. Version 1 folders keep the list in it: their finished jobs were built with it,
@@ -178,6 +196,7 @@ _FEDERATED = without("federated", FEDERATED_GRID, nested=FEDERATED_MECHANISM_GRI
 _PART_SECTIONS: dict[Part, set[str]] = {
     _FINETUNE_JOB: {"finetune"},
     _FINETUNE: {"finetune"},
+    _FINETUNE_SHARED: {"finetune"},
     _AUDIT: {"audit"},
     _FEDERATED: {"federated"},
     task: {"tasks"},
@@ -200,10 +219,12 @@ STAGES: dict[str, Stage] = {
     ),
     "audit": Stage(
         ("data", "tasks", "privacy", "public", "federated"),
-        ((_FINETUNE, _AUDIT), algo_params),
+        ((_FINETUNE_SHARED, _AUDIT), algo_params),
     ),
     # federated clients read finetune.grad_sample_mode and pad_batches (federated/stage.py)
-    "federated": Stage(("data", "tasks", "privacy"), ((_FEDERATED, _FINETUNE),), plus="pretrain"),
+    "federated": Stage(
+        ("data", "tasks", "privacy"), ((_FEDERATED, _FINETUNE_SHARED),), plus="pretrain"
+    ),
     "hpo": Stage(("data", "finetune", "privacy", "hpo"), (task,)),
     "hpo-probe": Stage(("data", "public", "privacy", "hpo"), (task,)),
 }

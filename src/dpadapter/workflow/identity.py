@@ -141,6 +141,7 @@ _GRID_KEYS = (
 _ENTRY_DICTS = (
     "tasks",
     "finetune.algo_params",
+    "finetune.recipes",
     "pretrain.upstream_params",
     "pretrain.external_upstreams",
 )
