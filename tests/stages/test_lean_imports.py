@@ -84,6 +84,8 @@ assert Path("p/metrics.json").is_file() and Path("s/model.pt").is_file()
 def test_a_finetune_job_with_tracking_off_imports_no_mlflow(tmp_path):
     body = """
 from dpadapter.stages import finetune, pretrain
+
+pytestmark = pytest.mark.process
 pretrain.run(cfg, "scratch", Path("s"), None)
 finetune.run(cfg, "scratch", "syn-same", "dpsgd", 4.0, 0, Path("s/model.pt"), Path("f"))
 assert Path("f/metrics.json").is_file()

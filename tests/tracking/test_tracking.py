@@ -260,6 +260,7 @@ def _start_job(tmp_path: Path, env: dict, cwd: Path | None = None) -> tuple[subp
     return proc, marker.read_text()
 
 
+@pytest.mark.process
 def test_killed_jobs_never_leave_a_run_running(tmp_path):
     env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlruns.db'}"}
     client = _client(tmp_path)
@@ -307,6 +308,7 @@ def test_a_run_that_ended_while_dead_runs_were_sought_keeps_its_status(tmp_path,
     assert client.get_run(dead).info.status == "KILLED"
 
 
+@pytest.mark.process
 def test_make_mlflow_ends_the_runs_of_killed_jobs(tmp_path, monkeypatch, tiny_raw):
     """No later run needed: opening the UI (`make mlflow`, tracking.main) ends them too."""
     import yaml
@@ -347,6 +349,7 @@ _UNTRACKED_JOB = textwrap.dedent(
 )
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("mlflow_state,enabled", [("missing", "auto"), ("installed", False)])
 def test_jobs_run_untracked_without_mlflow_or_with_tracking_off(
     tiny_raw, tmp_path, mlflow_state, enabled
@@ -513,6 +516,7 @@ def test_the_workflow_refuses_required_tracking_before_any_job(tiny_raw, tmp_pat
     assert not (tmp_path / "results" / "logs").exists()  # no job started
 
 
+@pytest.mark.process
 def test_a_job_refused_for_required_tracking_says_why_in_one_line(tiny_raw, tmp_path):
     """`python -m dpadapter ...` by hand: exit 2 and the reason, not a traceback."""
     import yaml
