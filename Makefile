@@ -90,11 +90,12 @@ validity: setup
 	$(BIN)/snakemake --cores $(CORES) --configfile $(CONFIG) --rerun-incomplete validity
 	@cat $(RESULTS)/summary/validity.md
 
-# The fast tier, for the edit loop: every test not marked `process`, i.e. none that starts
-# Snakemake, Slurm, DVC, torchrun, a server, a fork server or any other process (a test that
-# does, unmarked, fails: tests/process_guard.py). Run `make test` before committing.
+# The fast tier, for the edit loop: the tests marked neither `process` nor `slow`, so none that
+# starts Snakemake, Slurm, DVC, torchrun, a server, a fork server or any other process (one that
+# does, unmarked, fails: tests/process_guard.py) and none that takes long. `make test` (all of
+# them) before committing (docs/testing.md).
 check: setup
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not process" --durations=10
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not process and not slow" --durations=10
 
 # The whole suite, tests/cluster included (a real one-node Slurm, DVC round trip, MLflow under
 # load, SIGKILL resume). Two xdist workers, one test file per worker at a time: the cluster tests

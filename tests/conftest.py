@@ -45,15 +45,8 @@ def pytest_configure(config):
     process_guard.install()
 
 
-@pytest.hookimpl(tryfirst=True)  # before `-m` deselects: `-m "not process"` drops `slow` too
-def pytest_collection_modifyitems(config, items):
-    for item in items:
-        if item.get_closest_marker("slow") and not item.get_closest_marker(process_guard.MARKER):
-            item.add_marker(process_guard.MARKER)
-
-
-# A test not marked `process` fails when it starts a process, in its fixtures too (both tiers:
-# tests/process_guard.py).
+# A test in `make check`'s tier (marked neither `process` nor `slow`) fails when it starts a
+# process, in its fixtures too, whichever command runs it (tests/process_guard.py).
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_setup(item):
     return (yield) if process_guard.in_full_tier_only(item) else (yield from _guarded(item))

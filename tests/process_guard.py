@@ -1,10 +1,11 @@
 """The two test tiers, and the check that keeps the fast one in-process.
 
-`make check` runs the tests not marked `process` (nor `slow`, which implies it), for the edit
-loop; `make test` runs everything. The fast tier's promise is that none of its tests starts a
-process (Snakemake, Slurm, DVC, torchrun, a server, a fork server, any subprocess): a test that
-does so unmarked fails, in either tier, naming the marker to add. Without the check the marker
-would rot: a new end-to-end test left unmarked would silently lengthen the edit loop by a minute.
+`make check` runs the tests marked neither `process` (starts a process) nor `slow` (in-process
+but too long for the edit loop; also the older end-to-end Snakemake tests), for the edit loop;
+`make test` runs everything. The fast tier's promise is that none of its tests starts a process
+(Snakemake, Slurm, DVC, torchrun, a server, a fork server, any subprocess): a test that does so
+unmarked fails, whichever command runs it, naming the marker to add. Without the check the
+marker would rot: a new end-to-end test left unmarked would silently lengthen the edit loop.
 
 Every way this Python starts a process ends in one of the functions wrapped here
 (`subprocess.Popen` for `subprocess.run`, `os.popen` and asyncio; `_posixsubprocess.fork_exec`
@@ -26,8 +27,7 @@ from contextlib import contextmanager
 import pytest
 
 MARKER = "process"
-# markers that put a test in `make test` only; `slow` (end-to-end Snakemake runs) predates
-# `process` and implies it
+# the markers that put a test in `make test` only (`make check`: -m "not process and not slow")
 FULL_TIER_ONLY = (MARKER, "slow")
 HELP = (
     f"mark it @pytest.mark.{MARKER} (or the module: pytestmark = pytest.mark.{MARKER}); "

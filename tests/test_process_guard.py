@@ -1,6 +1,6 @@
 """The check behind the two tiers (tests/process_guard.py): inside a guarded test every way of
 starting a process fails it, naming the marker to add, even when the code under test swallows
-the refusal or starts the process from a thread; `slow` implies `process`.
+the refusal or starts the process from a thread; a `slow` or `process` test is not guarded.
 
 Each case runs in a guard of its own, nested in this test's: a refusal is what the case expects,
 and a start the guard missed would be a real process (a forked child leaves at once)."""
@@ -97,9 +97,10 @@ def test_only_the_named_once_per_process_lookups_pass():
 
 
 @pytest.mark.slow
-def test_slow_implies_process(request):
-    """`-m "not process"` leaves the `slow` tests out too (this one runs in `make test`)."""
-    assert request.node.get_closest_marker("process") is not None
+def test_a_slow_test_is_in_the_full_tier_only_and_unguarded(request):
+    """Runs in `make test` only; its processes (the end-to-end `slow` tests) are allowed."""
+    assert process_guard.in_full_tier_only(request.node) and not process_guard._guarded
+    assert subprocess.run(["true"]).returncode == 0
 
 
 def test_this_test_is_guarded(request):

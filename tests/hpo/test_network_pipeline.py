@@ -136,6 +136,7 @@ def _events(history):
     ]
 
 
+@pytest.mark.slow  # in-process, too long for `make check`
 def test_total_epsilon_of_the_whole_hpo_is_within_target_independently_recomputed(hpo_run):
     root = hpo_run["root"]
     plan = _read(root / "plan.json")

@@ -49,6 +49,7 @@ def _pretrained(cfg, root, which):
     return out / "model.pt"
 
 
+@pytest.mark.slow  # in-process, too long for `make check`
 @pytest.mark.parametrize("algo", sorted(ALGORITHMS))
 def test_every_algorithm_fine_tunes_a_frozen_bn_resnet(
     algo, tiny_raw, external_run, tmp_path, monkeypatch

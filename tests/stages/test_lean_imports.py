@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.process
+
 ROOT = Path(__file__).resolve().parents[2]
 HEAVY = ("opacus", "mlflow", "timm", "torchvision", "torch._dynamo", "pandas")
 
@@ -84,8 +86,6 @@ assert Path("p/metrics.json").is_file() and Path("s/model.pt").is_file()
 def test_a_finetune_job_with_tracking_off_imports_no_mlflow(tmp_path):
     body = """
 from dpadapter.stages import finetune, pretrain
-
-pytestmark = pytest.mark.process
 pretrain.run(cfg, "scratch", Path("s"), None)
 finetune.run(cfg, "scratch", "syn-same", "dpsgd", 4.0, 0, Path("s/model.pt"), Path("f"))
 assert Path("f/metrics.json").is_file()

@@ -39,6 +39,7 @@ def _client(tmp_path: Path):
     return MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlruns.db'}")
 
 
+@pytest.mark.slow  # in-process, too long for `make check`
 def test_system_metrics_are_sampled_into_a_run_on_request_and_on_gpu_jobs(
     tiny_cfg, tmp_path, monkeypatch
 ):
@@ -422,6 +423,7 @@ def test_required_tracking_without_mlflow_is_refused_before_any_job(tiny_cfg, mo
     tracking.check(tiny_cfg)  # auto: nothing to refuse (each job says it once)
 
 
+@pytest.mark.slow  # in-process, too long for `make check`
 def test_a_store_failing_during_a_job_stops_tracking_not_the_job(
     tiny_cfg, tmp_path, monkeypatch, capsys
 ):
@@ -470,6 +472,7 @@ def test_the_dp_view_shows_epsilon_spent_beside_its_target_delta_and_accountant(
     assert params == {"delta": 1e-5, "accountant": "rdp"} and metrics == {"epsilon_spent": 0.99}
 
 
+@pytest.mark.slow  # in-process, too long for `make check`
 def test_the_runs_url_opens_the_configs_experiment_in_the_dp_view(
     tiny_raw, tmp_path, monkeypatch, capsys
 ):
