@@ -14,6 +14,10 @@ import dp_accounting
 import pytest
 from tiny_config import TINY_HPO, TINY_RAW
 
+# every test reads one run of the whole tiny HPO pipeline (a module fixture, minutes of CPU on a
+# loaded machine): too long for `make check`
+pytestmark = pytest.mark.slow
+
 HPO = TINY_HPO
 
 
@@ -136,7 +140,6 @@ def _events(history):
     ]
 
 
-@pytest.mark.slow  # in-process, too long for `make check`
 def test_total_epsilon_of_the_whole_hpo_is_within_target_independently_recomputed(hpo_run):
     root = hpo_run["root"]
     plan = _read(root / "plan.json")

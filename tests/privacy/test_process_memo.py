@@ -17,13 +17,13 @@ from dpadapter.privacy import accounting, calibration, memo, rdp_memo
 from dpadapter.privacy.calibration import _calibrate, calibrate_sigma
 
 # inputs no other test calibrates (the memo is the worker's), each call's its own: another
-# target and number of steps, so no two searches visit the same sigmas
+# sample rate, so no two searches evaluate Opacus' per-order RDP at the same (q, sigma, order)
 _calls = itertools.count()
 
 
 def _inputs() -> tuple[float, float, float, int, str]:
     n = next(_calls)
-    return (3.0 + n / 97, 1e-5, 0.1, 40 + n, "rdp")
+    return (3.0 + n / 97, 1e-5, 0.1 + n / 1009, 40 + n, "rdp")
 
 
 def _rdp_values_computed() -> int:
@@ -39,6 +39,16 @@ def test_a_repeat_is_answered_from_memory_with_the_accountant_own_value():
     assert calibrate_sigma(*args) == want
     assert _rdp_values_computed() == before  # no epsilon was evaluated for the repeat
     assert calibration.accountant_is_genuine()
+
+
+def test_another_results_folder_takes_the_value_from_memory(tmp_path):
+    """The suite's stage tests each calibrate into a results folder of their own."""
+    args = _inputs()
+    first = calibrate_sigma(*args, cache=tmp_path / "a" / "sigma.json")
+    before = _rdp_values_computed()
+    assert calibrate_sigma(*args, cache=tmp_path / "b" / "sigma.json") == first
+    assert _rdp_values_computed() == before
+    assert (tmp_path / "b" / "sigma.json").is_file()  # written for the folder's other jobs
 
 
 def _off(value: float) -> float:
@@ -76,7 +86,7 @@ PATCHES = {
 
 
 @pytest.mark.parametrize("where", sorted(PATCHES))
-def test_a_replaced_accountant_neither_writes_nor_reads_the_memo(where, monkeypatch):
+def test_a_replaced_accountant_neither_writes_nor_reads_the_memo(where, monkeypatch, tmp_path):
     owner, name, replace = PATCHES[where]
     rdp_memo.install(analysis)  # the per-order memo in place, as after any accounting
     per_order = analysis._compute_rdp  # counts every epsilon evaluation, replaced or not
@@ -92,6 +102,7 @@ def test_a_replaced_accountant_neither_writes_nor_reads_the_memo(where, monkeypa
     assert not calibration.accountant_is_genuine(), where
 
     calibrate_sigma(*fresh)  # computed through the replacement: not written
+    calibrate_sigma(*fresh, cache=tmp_path / "sigma.json")  # nor through a results folder's file
     assert not is_remembered(fresh)
     # not read either: the remembered inputs are computed again, through the replacement
     before = evaluations()

@@ -76,6 +76,7 @@ def test_system_metrics_follow_the_setting_and_the_jobs_device(setting, on_cuda,
     assert samples_system(TrackingConfig(system_metrics=setting), on_cuda) is samples
 
 
+@pytest.mark.slow  # in-process, too long for `make check`
 def test_a_strategys_job_is_its_own_run_and_folder(tiny_cfg, tmp_path):
     """A job of finetune.strategies other than finetune.strategy (`--algo dpsgd+ht`): its
     strategy is in the run's name, tags and DP columns, in its resume folder and in what it
@@ -147,6 +148,7 @@ def test_finetune_run_has_the_dp_columns_and_the_config_identity(tiny_cfg, tmp_p
     assert not (tmp_path / "mlruns").exists()
 
 
+@pytest.mark.slow  # in-process, too long for `make check`
 def test_runs_of_a_stage_hang_under_one_group_run_per_config(tiny_cfg, tmp_path):
     pretrain.run(tiny_cfg, "scratch", tmp_path / "pre", None)
     for eps in (1.0, 2.0):

@@ -235,8 +235,8 @@ def calibrate_sigma(
     """Smallest sigma (to Opacus' tolerance) whose epsilon does not exceed the target.
 
     The bisection costs seconds with PRV and every job of a grid repeats the same few, so the
-    results are cached in a JSON file keyed by every input (without one, in this process's
-    memory: `memo.sealed`). A run never trusts that file: it
+    results are cached in a JSON file keyed by every input, and in this process's memory
+    (`memo.sealed`, which only the real accountant's values enter). A run never trusts that file: it
     verifies the sigma on its planned history before training (`verify_plan`) and checks the
     spent epsilon, recomputed from its recorded history, at the end.
     """
@@ -248,9 +248,14 @@ def calibrate_sigma(
     def compute() -> float:
         return _calibrate(target_epsilon, delta, sample_rate, steps, accountant)
 
-    if cache is None:  # no results folder: this process's memory, the real accountant's only
+    # what the file lacks, this process may have computed for another results folder (the
+    # suite's tests, each with its own): from memory, the real accountant's values only
+    def computed_in_this_process() -> float:
         return sealed(key, compute, accountant_is_genuine)
-    return cached(cache, key, compute)
+
+    if cache is None:
+        return computed_in_this_process()
+    return cached(cache, key, computed_in_this_process)
 
 
 def _calibrate(

@@ -6,9 +6,10 @@ memoised under a key that must name every input of the computation (a missing on
 run another run's noise: the tests change each input and expect a miss): in this process's
 memory, and in a JSON file shared by the jobs of a results folder (`<results_dir>/.cache/`),
 which concurrent jobs update under a lock and replace atomically. An unreadable file is treated
-as empty and rewritten. Without a file (tests, scripts), the constant-sigma calibrations are
-memoised in this process's memory only while the accountant is the installed code (`sealed`,
-`genuine`): a test that stubs the accountant neither writes there nor reads from there.
+as empty and rewritten. The constant-sigma calibrations are also memoised in this process's
+memory across files (the suite's tests each have a results folder of their own), only while the
+accountant is the installed code (`sealed`, `genuine`): a test that stubs the accountant neither
+writes there nor reads from there.
 
 What it returns only plans a run: anyone who can write the results folder can write any number
 here. So no epsilon is ever memoised (each one printed, recorded or checked is the accountant's,
