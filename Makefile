@@ -1,4 +1,5 @@
 # Two commands do all set-up: `make run` and `make test`. Both create and reuse .venv/.
+# `make check` is the edit loop's subset of `make test` (docs/testing.md).
 SHELL := /bin/bash
 PY ?= python3
 VENV := .venv
@@ -10,7 +11,7 @@ CONFIG ?= config.yaml
 # the summaries printed below.
 RESULTS = $$($(BIN)/python -c "import sys; from dpadapter.settings import read_raw; print(read_raw(sys.argv[1]).get('results_dir', 'results'))" $(CONFIG))
 
-.PHONY: run report sweeps hpo federated audit validity test test-cluster lint bench overhead setup data browser clean-results mlflow
+.PHONY: run report sweeps hpo federated audit validity check test test-cluster lint bench overhead setup data browser clean-results mlflow
 
 # uv installs the pinned set several times faster than pip (parallel downloads and unpacking);
 # pip is the fallback where uv cannot be had or fails. uv ignores pip's configuration, so
@@ -88,6 +89,13 @@ audit: setup
 validity: setup
 	$(BIN)/snakemake --cores $(CORES) --configfile $(CONFIG) --rerun-incomplete validity
 	@cat $(RESULTS)/summary/validity.md
+
+# The fast tier, for the edit loop: the tests marked neither `process` nor `slow`, so none that
+# starts Snakemake, Slurm, DVC, torchrun, a server, a fork server or any other process (one that
+# does, unmarked, fails: tests/process_guard.py) and none that takes long. `make test` (all of
+# them) before committing (docs/testing.md).
+check: setup
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not process and not slow" --durations=10
 
 # The whole suite, tests/cluster included (a real one-node Slurm, DVC round trip, MLflow under
 # load, SIGKILL resume). Two xdist workers, one test file per worker at a time: the cluster tests

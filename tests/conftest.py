@@ -28,7 +28,8 @@ import dpadapter  # noqa: F401  (registers torchvision op schemas before anythin
 
 REPO = Path(__file__).resolve().parents[1]
 
-from longest_first import make_scheduler  # noqa: E402  (tests/ is on sys.path)
+import process_guard  # noqa: E402  (tests/ is on sys.path)
+from longest_first import make_scheduler  # noqa: E402
 from repo_guard import mlflow_footprint  # noqa: E402
 from tiny_config import TINY_RAW  # noqa: E402
 
@@ -38,6 +39,32 @@ def pytest_xdist_make_scheduler(config, log):
     if config.getvalue("dist") == "loadfile":
         return make_scheduler(config, log)
     return None
+
+
+def pytest_configure(config):
+    process_guard.install()
+
+
+# A test in `make check`'s tier (marked neither `process` nor `slow`) fails when it starts a
+# process, in its fixtures too, whichever command runs it (tests/process_guard.py).
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item):
+    return (yield) if process_guard.in_full_tier_only(item) else (yield from _guarded(item))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    return (yield) if process_guard.in_full_tier_only(item) else (yield from _guarded(item))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item):
+    return (yield) if process_guard.in_full_tier_only(item) else (yield from _guarded(item))
+
+
+def _guarded(item):
+    with process_guard.guarding(item.nodeid):
+        return (yield)
 
 
 @pytest.fixture

@@ -4,7 +4,10 @@ process (atexit handlers such as MLflow's flush, piped stdout) must still happen
 import subprocess
 import sys
 
+import pytest
 import yaml
+
+pytestmark = pytest.mark.process
 
 SCRIPT = """
 import atexit, runpy, sys

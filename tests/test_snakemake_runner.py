@@ -10,6 +10,8 @@ import sys
 import pytest
 import snakemake_runner  # tests/ is on sys.path
 
+pytestmark = pytest.mark.process
+
 SNAKEFILE = """
 if config.get("refuse"):
     raise SystemExit("refused: " + config["refuse"])

@@ -38,6 +38,7 @@ def test_the_suite_runs_the_default_mode():
     assert MODES[0] == "bk"
 
 
+@pytest.mark.slow  # in-process, too long for `make check`
 @pytest.mark.parametrize("name", NAMES)
 def test_each_example_contribution_is_within_the_declared_sensitivity(name, algo_data, mode):
     C.check_sensitivity(ALGORITHMS[name], algo_data)

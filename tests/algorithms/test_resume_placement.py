@@ -113,6 +113,7 @@ class _Saves:
         self.state, self.save = state, save
 
 
+@pytest.mark.slow  # in-process, too long for `make check`
 def test_stage_resume_passes_the_parameters_device_and_dtype(tiny_cfg, algo_data, monkeypatch):
     """dp_fit hands the model's device and dtype to the algorithm's load_state_dict."""
     from dpadapter.train import dp_fit as fit

@@ -15,7 +15,7 @@ import yaml
 from dpadapter.algorithms import ALGORITHMS
 
 # Snakemake runs fork their jobs from the worker's fork servers (tests/conftest.py)
-pytestmark = pytest.mark.usefixtures("module_fork_servers")
+pytestmark = [pytest.mark.process, pytest.mark.usefixtures("module_fork_servers")]
 
 REPO = Path(__file__).resolve().parents[2]
 AUDIT = {"epsilons": [1, 4], "task": "syn-same", "canaries": 200, "guesses": [20, 50], "epochs": 2}

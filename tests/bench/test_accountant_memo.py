@@ -9,6 +9,9 @@ import pytest
 from bench_scripts import import_bench
 from opacus.accountants.analysis import rdp as analysis
 
+# runs the benchmark script (times calibrations three ways): too long for `make check`
+pytestmark = pytest.mark.slow
+
 ARGS = ["--repeats", "1", "--epochs", "2", "--steps-per-epoch", "3", "--epsilons", "4"]
 
 

@@ -8,6 +8,8 @@ import json
 import pytest
 from bench_scripts import import_bench
 
+pytestmark = pytest.mark.process
+
 
 @pytest.fixture
 def everyday(monkeypatch, tmp_path):

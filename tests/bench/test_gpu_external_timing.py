@@ -3,9 +3,11 @@ a positive time per step and its projection, in the JSON it writes."""
 
 import json
 
+import pytest
 from bench_scripts import import_bench
 
 
+@pytest.mark.slow  # in-process, too long for `make check`
 def test_quick_run_times_every_setting(tmp_path):
     bench = import_bench("gpu_external_timing")
     out = bench.main(

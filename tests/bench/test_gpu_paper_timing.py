@@ -14,6 +14,7 @@ import pytest
 from bench_scripts import import_bench
 
 
+@pytest.mark.slow  # in-process, too long for `make check`
 @pytest.mark.parametrize("mode", ["bk"])
 def test_paper_timing_runs_in_the_configs_mode(mode, tmp_path, monkeypatch):
     timing = import_bench("gpu_paper_timing")

@@ -40,6 +40,7 @@ def dry(tmp_path_factory):
     return p, out, work
 
 
+@pytest.mark.process
 def test_the_dry_run_writes_at_most_eight_flat_files(dry):
     p, out, _ = dry
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
@@ -51,6 +52,7 @@ def test_the_dry_run_writes_at_most_eight_flat_files(dry):
         assert any(n.endswith("cuda_tests.log") for n in tar.getnames())
 
 
+@pytest.mark.process
 def test_every_step_ran_or_was_cut_and_says_so(dry):
     _, out, _ = dry
     data = json.loads((out / "session.json").read_text())
@@ -90,6 +92,7 @@ def test_every_step_ran_or_was_cut_and_says_so(dry):
         assert section in summary
 
 
+@pytest.mark.process
 def test_steps_ran_without_mlflow_and_jobs_were_forked(dry):
     _, out, work = dry
     data = json.loads((out / "session.json").read_text())
@@ -100,6 +103,7 @@ def test_steps_ran_without_mlflow_and_jobs_were_forked(dry):
         assert any(j["forked"] for j in pipe["training_jobs"] if "/finetune/" in j["job"])
 
 
+@pytest.mark.process
 def test_a_cell_at_the_deadline_is_unfinished_never_a_result(dry):
     _, out, _ = dry
     t2 = json.loads((out / "session.json").read_text())["table2"]
@@ -114,6 +118,7 @@ def test_a_cell_at_the_deadline_is_unfinished_never_a_result(dry):
             assert 0 <= c["accuracy"] <= 100 and c["epsilon_spent"] <= eps + 1e-6
 
 
+@pytest.mark.process
 def test_a_second_call_runs_only_the_missing_cells(dry):
     """The cells earlier loans finished (committed under docs/gpu-runs/cells) are skipped:
     the call starts with the next missing cells of the plan, and says what it skipped."""
@@ -136,6 +141,7 @@ def test_the_plan_runs_the_four_seed_0_cells_first_then_three_seeds_each():
     assert len(t2.PLAN) == len(set(t2.PLAN)) == 45
 
 
+@pytest.mark.process
 def test_a_cell_starts_only_when_its_projection_fits(tmp_path):
     """After the first pair, a cell starts only if (measured time alone) x (cells sharing the
     GPU) ends before the deadline; otherwise it waits or is reported as not started."""
@@ -156,6 +162,7 @@ def test_a_cell_starts_only_when_its_projection_fits(tmp_path):
     assert cells.outcomes["dpsgd-eps1-seed0"].status == "cut"
 
 
+@pytest.mark.process
 def test_a_cell_whose_self_test_refuses_the_mode_runs_again_in_hooks(tmp_path):
     """A device-only bug in the session's mode costs one cell's start, not the loan: the cell
     is queued again first, in hooks, and reported with the mode it ran in; any other failure

@@ -17,7 +17,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
+
+pytestmark = pytest.mark.process
 
 REPO = Path(__file__).resolve().parents[2]
 

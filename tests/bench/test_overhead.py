@@ -194,6 +194,7 @@ def project(tmp_path, results):
     return p
 
 
+@pytest.mark.process
 def test_dry_run_is_timed_in_a_temporary_folder(overhead, project, tmp_path_factory, monkeypatch):
     log = tmp_path_factory.mktemp("fake") / "fake.json"  # outside the project
     monkeypatch.setenv("FAKE_LOG", str(log))
@@ -215,6 +216,7 @@ def test_dry_run_is_timed_in_a_temporary_folder(overhead, project, tmp_path_fact
     assert not (project / ".snakemake" / "state").exists()
 
 
+@pytest.mark.process
 def test_a_failed_dry_run_is_an_error(overhead, project, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("FAKE_LOG", str(tmp_path / "fake.json"))
     monkeypatch.setenv("FAKE_RC", "3")
@@ -226,6 +228,7 @@ def test_a_failed_dry_run_is_an_error(overhead, project, tmp_path, monkeypatch, 
         overhead.time_dry_run(project / "missing.yaml", project=project, command=["true"])
 
 
+@pytest.mark.process
 def test_main_prints_the_dry_run(overhead, project, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("FAKE_LOG", str(tmp_path / "fake.json"))
     real = overhead.time_dry_run

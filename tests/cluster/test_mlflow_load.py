@@ -30,6 +30,8 @@ from cluster_helpers import (
     wait_until,
 )
 
+pytestmark = pytest.mark.process
+
 N_JOBS = 8
 STEPS = 5
 EXPERIMENT = "load"

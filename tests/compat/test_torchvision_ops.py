@@ -10,6 +10,7 @@ import torch
 from dpadapter.compat.torchvision_ops import ensure_torchvision_importable, import_torchvision
 
 
+@pytest.mark.process
 def test_plain_import_of_timm_fails_without_the_shim_and_works_with_it():
     # A fresh interpreter without the venv's .pth files (-S, site-packages put on the path by
     # hand) shows the failure the shim exists for (only where the extension cannot load; on a
@@ -28,6 +29,7 @@ def test_plain_import_of_timm_fails_without_the_shim_and_works_with_it():
         assert plain.returncode != 0 and "torchvision::nms" in plain.stderr
 
 
+@pytest.mark.process
 def test_plain_import_of_timm_works_in_the_projects_venv():
     """`make setup` installs a .pth that imports the shim at start (tools/install_compat_pth.py),
     so `import timm` works on its own, as a user expects."""

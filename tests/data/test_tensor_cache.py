@@ -213,6 +213,7 @@ def test_jobs_starting_together_share_one_sound_cache(tmp_path, monkeypatch):
     assert _digest(load_dataset("fashion-mnist", tmp_path)) == truth
 
 
+@pytest.mark.process
 def test_a_later_job_reads_the_cache_without_torchvision(tmp_path):
     _fake_fmnist(tmp_path)
     truth = _digest(load_dataset("fashion-mnist", tmp_path))

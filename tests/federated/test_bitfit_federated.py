@@ -51,6 +51,7 @@ def fed_bitfit(tiny_raw, tiny_cfg, tmp_path):
     return cfg, tmp_path / "pre" / "model.pt"
 
 
+@pytest.mark.slow  # in-process, too long for `make check`
 def test_bitfit_job_records_its_releases(fed_bitfit, tmp_path):
     from dpadapter.federated import stage
 

@@ -115,6 +115,7 @@ def test_rule_report_counts_the_step_size_assumption():
     assert r["hit_rate_interval"]["method"] == "Wilson"
 
 
+@pytest.mark.slow  # in-process, too long for `make check`
 @pytest.mark.parametrize("mechanism,eps", [("gaussian", 2.0), ("laplace", 50.0)])
 def test_rule_job_estimates_along_the_trajectory_within_its_budget(
     tiny_raw, tmp_path, monkeypatch, mechanism, eps

@@ -32,6 +32,7 @@ def fed_cfg(tiny_raw, tiny_cfg, tmp_path):
     return cfg, tmp_path / "pre" / "model.pt"
 
 
+@pytest.mark.slow  # in-process, too long for `make check`
 def test_gaussian_ut_rule_job(fed_cfg, tmp_path):
     from dpadapter.federated import stage
 

@@ -42,6 +42,7 @@ def _save_many(path: str, value: int, n: int) -> None:
         atomic.torch_save({"v": torch.full((20_000,), float(value))}, path)
 
 
+@pytest.mark.process
 def test_concurrent_processes_always_leave_a_whole_file(tmp_path):
     path = tmp_path / "ckpt.pt"
     ctx = mp.get_context("spawn")

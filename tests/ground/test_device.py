@@ -54,6 +54,7 @@ def _tiny(tiny_cfg, device):
     return dataclasses.replace(tiny_cfg, device=device)
 
 
+@pytest.mark.slow  # in-process, too long for `make check`
 def test_device_cpu_jobs_never_touch_cuda(tiny_cfg, tmp_path, monkeypatch):
     monkeypatch.delenv(devices.ENV_VAR, raising=False)
     cfg = _tiny(tiny_cfg, "cpu")

@@ -14,6 +14,10 @@ import dp_accounting
 import pytest
 from tiny_config import TINY_HPO, TINY_RAW
 
+# every test reads one run of the whole tiny HPO pipeline (a module fixture, minutes of CPU on a
+# loaded machine): too long for `make check`
+pytestmark = pytest.mark.slow
+
 HPO = TINY_HPO
 
 

@@ -86,6 +86,7 @@ def _setup(tmp_path: Path, tiny_raw: dict, grids: bool = False) -> tuple[Path, P
     return cfg_path, search
 
 
+@pytest.mark.slow  # in-process, too long for `make check`
 def test_search_picks_by_score_and_reruns_to_the_same_file(tmp_path, tiny_raw, monkeypatch):
     monkeypatch.chdir(tmp_path)
     cfg_path, search = _setup(tmp_path, tiny_raw)

@@ -113,6 +113,7 @@ def _light_server(folder: Path, threads: int = 1, prelude: str = ""):
         srv.wait()
 
 
+@pytest.mark.process
 def test_a_training_stage_gives_the_same_files_both_ways(server, tmp_path):
     """Fine-tuning (DP-SGD, Poisson sampling, calibration) from a warm-up checkpoint, once in
     its own process and once forked: the same checkpoint and metrics, byte for byte."""
@@ -156,6 +157,7 @@ def test_a_training_stage_gives_the_same_files_both_ways(server, tmp_path):
         assert res["max_rss_mib"] > 150 and res["cpu_user_s"] > 0.1, (way, res)
 
 
+@pytest.mark.process
 def test_bad_input_fails_the_same_way_both_ways(server, tmp_path):
     path, _ = server
     results = []
@@ -167,6 +169,7 @@ def test_bad_input_fails_the_same_way_both_ways(server, tmp_path):
     assert results[0][0] != 0 and "missing.yaml" in results[0][2]
 
 
+@pytest.mark.process
 def test_a_signal_reaches_the_job_and_a_killed_job_leaves_no_child(server, tmp_path):
     path, log = server
     cfg = _config(tmp_path)
@@ -187,6 +190,7 @@ def test_a_signal_reaches_the_job_and_a_killed_job_leaves_no_child(server, tmp_p
         assert not (out / "metrics.json").exists()
 
 
+@pytest.mark.process
 def test_a_server_of_another_package_is_refused(server, tmp_path, monkeypatch):
     path, log = server
     monkeypatch.setenv(prefork.ENV, path)
@@ -198,6 +202,7 @@ def test_a_server_of_another_package_is_refused(server, tmp_path, monkeypatch):
     assert "other-package.yaml" not in log.read_text()
 
 
+@pytest.mark.process
 def test_a_job_with_other_thread_settings_runs_in_its_own_process(server, tmp_path):
     """Native thread pools are sized when their library loads: the server's cannot be resized,
     and a different size can change float results, so such a job is not forked."""
@@ -216,6 +221,7 @@ def test_a_job_with_other_thread_settings_runs_in_its_own_process(server, tmp_pa
     assert f"--config {cfg} validate" not in log.read_text()
 
 
+@pytest.mark.process
 def test_a_job_goes_to_the_server_of_its_thread_count(server, tmp_path, tmp_path_factory):
     """Warm-up and pre-training (workflow.cores threads) get a server of their own beside the
     one-thread server of the fine-tuning jobs: each job finds its own count's in the list."""
@@ -249,6 +255,7 @@ def test_the_socket_list_is_read_by_thread_count(monkeypatch):
     assert prefork.server_for_this_job("") == ""
 
 
+@pytest.mark.process
 def test_a_run_uses_the_servers_it_inherits_only_when_they_serve_every_thread_count(tmp_path):
     """`prefork.inherited`: a parent's servers (the test suite's) are used where each thread
     count the run needs has one that is up or still starting; else the run starts its own."""
@@ -270,6 +277,7 @@ def test_a_run_uses_the_servers_it_inherits_only_when_they_serve_every_thread_co
         assert prefork.inherited(off, [1]) is None
 
 
+@pytest.mark.process
 def test_a_workflow_run_uses_inherited_servers_and_stops_only_its_own(
     shared_fork_servers, tmp_path
 ):
@@ -314,6 +322,7 @@ _HAZARDS = {
 }
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("hazard", sorted(_HAZARDS))
 def test_a_server_that_cannot_fork_safely_refuses_by_name(hazard, tmp_path):
     """The server checks before every fork that CUDA is not initialised in it and that it runs
@@ -335,6 +344,7 @@ def test_a_server_that_cannot_fork_safely_refuses_by_name(hazard, tmp_path):
         assert " pid " not in served  # no child was forked
 
 
+@pytest.mark.process
 def test_the_preloaded_imports_leave_the_server_safe_to_fork(server):
     """What the server imports (torch, Opacus, MLflow, timm) starts no Python thread and no
     CUDA context: its first log line says so, and the guard above never refused its jobs. And
@@ -348,6 +358,7 @@ def test_the_preloaded_imports_leave_the_server_safe_to_fork(server):
     assert "refused: " not in text
 
 
+@pytest.mark.process
 def test_a_child_killed_for_memory_says_so(server, tmp_path):
     """The kernel's OOM killer sends SIGKILL to the training process (the forked child): the
     job's own process reports why and what to change, with the job's settings, and exits 137."""
@@ -402,6 +413,7 @@ def _forked_draws(tmp_path: Path, name: str, monkeypatch, seed: int | None = Non
     return json.loads(out.read_text())
 
 
+@pytest.mark.process
 def test_forked_jobs_do_not_share_the_global_random_streams(tmp_path, monkeypatch):
     """Two jobs forked from one server state draw different numbers from `random` and numpy's
     global generator, unless the job seeds them itself."""
@@ -419,6 +431,7 @@ def test_forked_jobs_do_not_share_the_global_random_streams(tmp_path, monkeypatc
     assert seeded[0] == seeded[1]
 
 
+@pytest.mark.process
 def test_a_forked_job_has_its_own_processs_state_not_the_servers(tmp_path, monkeypatch):
     """A job forked from the server sees what its own process would: the client's environment
     and sys.path (sent with the job), and torch's generator seeded afresh (a fresh process seeds

@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from proc_helpers import children
 from tiny_config import TINY_RAW
 
@@ -58,6 +59,7 @@ def _training(p: subprocess.Popen, err: Path) -> None:
         time.sleep(0.1)
 
 
+@pytest.mark.process
 def test_a_job_killed_for_memory_without_a_server_says_so_and_its_run_ends(tmp_path):
     from mlflow import MlflowClient
 
@@ -80,6 +82,7 @@ def test_a_job_killed_for_memory_without_a_server_says_so_and_its_run_ends(tmp_p
     assert client.get_run(run.info.run_id).info.status == "KILLED"
 
 
+@pytest.mark.process
 def test_a_signal_to_the_job_reaches_its_child_and_a_killed_parent_takes_it_along(tmp_path):
     from mlflow import MlflowClient
 

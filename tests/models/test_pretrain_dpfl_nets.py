@@ -69,6 +69,7 @@ def _mode_norms(model, mode, x, y):
     return g.norm(dim=1)
 
 
+@pytest.mark.slow  # in-process, too long for `make check`
 @pytest.mark.parametrize("name,width", [("dpfl-cnn", 32), ("resnet20-gn", 32)])
 def test_bk_and_ew_per_example_norms_agree_with_autograd(name, width):
     model = create_model(ModelConfig(name, 16, width), 10, 3, seed=0).double()

@@ -29,6 +29,9 @@ from dpadapter.per_sample.bookkeeping import BookKeepingModule
 from dpadapter.per_sample.compiled import COMPILE_MODES, CompiledBookKeeping
 from dpadapter.train.batching import PAD_LABEL, masked_cross_entropy, pad_batch
 
+# compiles every model it checks: minutes of CPU, too long for `make check`
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(autouse=True)
 def fresh_dynamo():
@@ -127,6 +130,7 @@ def test_compiled_timm_families_match_the_torch_func_reference(case, monkeypatch
     assert not restarts, restarts
 
 
+@pytest.mark.process  # inductor runs the C++ compiler
 def test_inductor_kernels_give_the_reference_sum():
     """The generated kernels themselves (not only the traced graphs), float64 on the CPU, on
     the odd layers (strided, dilated, grouped, biased convolutions, GroupNorm, an in-place

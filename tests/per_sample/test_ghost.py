@@ -32,6 +32,7 @@ def _norms(model, x, y, strategy: str, grouped: bool, monkeypatch) -> tuple[torc
     return norms, [size for g in made for sizes in g.sizes.values() for size in sizes]
 
 
+@pytest.mark.slow  # in-process, too long for `make check`
 @pytest.mark.parametrize("strategy", ["auto", "ghost"])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_grouped_norms_are_each_layers_own_bits(case, strategy, monkeypatch):

@@ -96,6 +96,7 @@ def test_sliced_inputs_pass_and_are_right():
     assert float((got - ref).norm() / ref.norm()) < 1e-12
 
 
+@pytest.mark.slow  # in-process, too long for `make check`
 @pytest.mark.parametrize("path", ["configs/dpsat-table2.yaml", "configs/dpsat-table2-dpnas.yaml"])
 def test_table2_models_train_a_hooks_step_without_tripping_the_guard(path):
     cfg = load(path)

@@ -263,6 +263,7 @@ def _head_tuning(model: nn.Module, check: bool = True):
     return dp_fit(model, data, "dpsgd", spec, settings, 0, schedule=schedule)
 
 
+@pytest.mark.slow  # in-process, too long for `make check`
 def test_dp_head_tuning_freezes_evonorm_statistics_end_to_end():
     model = Net(EvoNorm2dB0(4))
     with torch.no_grad():  # pre-trained statistics

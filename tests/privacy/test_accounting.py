@@ -11,6 +11,7 @@ from dpadapter.privacy import (
 )
 
 
+@pytest.mark.slow  # in-process, too long for `make check`
 @pytest.mark.parametrize("eps,q,steps", [(1.0, 0.1, 60), (4.0, 0.025, 200)])
 def test_calibrated_sigma_meets_the_target_tightly(eps, q, steps):
     sigma = calibrate_sigma(eps, 1e-5, q, steps)
@@ -46,6 +47,7 @@ def test_no_noise_is_infinite_epsilon_and_no_steps_is_zero():
     assert epsilon_from_history([], 1e-5) == 0.0
 
 
+@pytest.mark.slow  # in-process, too long for `make check`
 def test_calibration_cache_returns_the_computed_value(tmp_path):
     cache = tmp_path / "sigma.json"
     a = calibrate_sigma(2.0, 1e-5, 0.1, 30, cache=cache)

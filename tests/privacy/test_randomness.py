@@ -69,6 +69,7 @@ def test_the_mode_is_validated_and_seeded_is_the_default(tiny_raw):
         PrivacyConfig(randomness="urandom")
 
 
+@pytest.mark.slow  # in-process, too long for `make check`
 @pytest.mark.parametrize("algo", ["dpsgd", "gep"])
 def test_secret_noise_and_sampling_come_from_the_os_not_the_seed(
     tiny_raw, tiny_cfg, monkeypatch, algo
@@ -117,6 +118,7 @@ def test_federated_clients_draw_from_the_os_in_secret_mode(monkeypatch):
     assert not torch.equal(a, b)
 
 
+@pytest.mark.slow  # in-process, too long for `make check`
 def test_every_metrics_json_says_which_mode_ran(tiny_raw, tiny_cfg, tmp_path):
     from dpadapter.stages import finetune, pretrain
 

@@ -36,6 +36,7 @@ def test_rdp_epsilon_equals_the_opacus_accountant_bit_for_bit(history, delta):
         assert rdp_epsilon(history, delta) == epsilon_from_history(history, delta, "rdp")
 
 
+@pytest.mark.process
 def test_a_fresh_process_computes_it_without_importing_opacus_or_torch():
     code = (
         "import sys, warnings; warnings.simplefilter('ignore')\n"

@@ -210,6 +210,7 @@ def test_every_shipped_config_loads_merges_and_validates(path):
     assert cfg.results_dir == raw["results_dir"]
 
 
+@pytest.mark.slow  # in-process, too long for `make check`
 def test_overlays_own_their_results_folder():
     """An overlay that forgot `results_dir` would write into its base's results. Configs that
     share a folder on purpose (configs/strategies.yaml: the default grid under three tuning
@@ -314,6 +315,7 @@ def test_algo_params_for_overrides_per_upstream_and_task():
         validate(bad)
 
 
+@pytest.mark.slow  # in-process, too long for `make check`
 def test_an_overlay_swapping_a_hub_source_for_a_file_is_told_to_unset_it(in_tmp):
     """An overlay's `weights: {file}` merges with the base's `{hub: true}`; jsonschema says only
     "not valid under any of the given schemas". The message names the key, both sources, and

@@ -49,6 +49,7 @@ def _pretrained(cfg, root, which):
     return out / "model.pt"
 
 
+@pytest.mark.slow  # in-process, too long for `make check`
 @pytest.mark.parametrize("algo", sorted(ALGORITHMS))
 def test_every_algorithm_fine_tunes_a_frozen_bn_resnet(
     algo, tiny_raw, external_run, tmp_path, monkeypatch
@@ -77,6 +78,7 @@ def test_every_algorithm_fine_tunes_a_frozen_bn_resnet(
     assert not torch.equal(sa["backbone.bn1.weight"], sb["backbone.bn1.weight"])  # affine trains
 
 
+@pytest.mark.slow  # in-process, too long for `make check`
 def test_a_vit_fine_tunes_too(tiny_raw, external_run, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     cfg = _cfg(tiny_raw, external_run, "vit")

@@ -21,6 +21,7 @@ def _run(cfg, ckpt, out, eps=2.0, seed=0):
     return finetune.run(cfg, "scratch", "syn-shift", "dpsgd", eps, seed, ckpt, out)
 
 
+@pytest.mark.slow  # in-process, too long for `make check`
 def test_metrics_json_privacy_block_is_recomputable(tiny_cfg, scratch_ckpt, tmp_path):
     _run(tiny_cfg, scratch_ckpt, tmp_path / "ft")
     m = json.loads((tmp_path / "ft" / "metrics.json").read_text())
@@ -45,6 +46,7 @@ def test_metrics_json_privacy_block_is_recomputable(tiny_cfg, scratch_ckpt, tmp_
     assert m["hyperparameters"]["noise_multiplier"] == hist[0].noise_multiplier
 
 
+@pytest.mark.slow  # in-process, too long for `make check`
 def test_runs_are_reproducible_and_seed_dependent(tiny_cfg, scratch_ckpt, tmp_path):
     a = _run(tiny_cfg, scratch_ckpt, tmp_path / "a")
     b = _run(tiny_cfg, scratch_ckpt, tmp_path / "b")
@@ -55,6 +57,7 @@ def test_runs_are_reproducible_and_seed_dependent(tiny_cfg, scratch_ckpt, tmp_pa
     assert a["test_accuracy"] == b["test_accuracy"]
 
 
+@pytest.mark.slow  # in-process, too long for `make check`
 def test_interrupted_run_resumes_to_the_same_result(tiny_cfg, scratch_ckpt, tmp_path, monkeypatch):
     full = _run(tiny_cfg, scratch_ckpt, tmp_path / "full")
     w_full = torch.load(tmp_path / "full" / "model.pt")["state_dict"]
@@ -102,6 +105,7 @@ def test_bad_inputs_fail_before_training(tiny_cfg, scratch_ckpt, tmp_path):
         )
 
 
+@pytest.mark.slow  # in-process, too long for `make check`
 @pytest.mark.parametrize("algo", ["adpclip", "gep"])
 def test_bookkeeping_mode_runs_the_stage_and_records_what_ran(
     tiny_cfg, scratch_ckpt, tmp_path, algo
@@ -213,6 +217,7 @@ def test_rdp_order_warnings_reach_the_log_of_an_rdp_job_only(
     assert (len(order) > 0) is (accountant == "rdp")
 
 
+@pytest.mark.slow  # in-process, too long for `make check`
 def test_a_compiled_job_records_it_and_trains_as_the_eager_one(
     tiny_cfg, scratch_ckpt, tmp_path, monkeypatch
 ):

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.process
+
 ROOT = Path(__file__).resolve().parents[2]
 HEAVY = ("opacus", "mlflow", "timm", "torchvision", "torch._dynamo", "pandas")
 

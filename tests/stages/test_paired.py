@@ -46,6 +46,7 @@ def _true_detectable() -> float:
     return detectable_difference(NOISE / np.sqrt(n), df)
 
 
+@pytest.mark.slow  # in-process, too long for `make check`
 @pytest.mark.parametrize("shift,lo,hi", [(None, 0.70, 0.90), (0.0, 0.0, 0.10)])
 def test_a_planted_shift_is_detected_at_the_stated_rates(shift, lo, hi):
     rng = np.random.default_rng(12345)

@@ -39,6 +39,7 @@ def _client(tmp_path: Path):
     return MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlruns.db'}")
 
 
+@pytest.mark.slow  # in-process, too long for `make check`
 def test_system_metrics_are_sampled_into_a_run_on_request_and_on_gpu_jobs(
     tiny_cfg, tmp_path, monkeypatch
 ):
@@ -75,6 +76,7 @@ def test_system_metrics_follow_the_setting_and_the_jobs_device(setting, on_cuda,
     assert samples_system(TrackingConfig(system_metrics=setting), on_cuda) is samples
 
 
+@pytest.mark.slow  # in-process, too long for `make check`
 def test_a_strategys_job_is_its_own_run_and_folder(tiny_cfg, tmp_path):
     """A job of finetune.strategies other than finetune.strategy (`--algo dpsgd+ht`): its
     strategy is in the run's name, tags and DP columns, in its resume folder and in what it
@@ -146,6 +148,7 @@ def test_finetune_run_has_the_dp_columns_and_the_config_identity(tiny_cfg, tmp_p
     assert not (tmp_path / "mlruns").exists()
 
 
+@pytest.mark.slow  # in-process, too long for `make check`
 def test_runs_of_a_stage_hang_under_one_group_run_per_config(tiny_cfg, tmp_path):
     pretrain.run(tiny_cfg, "scratch", tmp_path / "pre", None)
     for eps in (1.0, 2.0):
@@ -260,6 +263,7 @@ def _start_job(tmp_path: Path, env: dict, cwd: Path | None = None) -> tuple[subp
     return proc, marker.read_text()
 
 
+@pytest.mark.process
 def test_killed_jobs_never_leave_a_run_running(tmp_path):
     env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlruns.db'}"}
     client = _client(tmp_path)
@@ -307,6 +311,7 @@ def test_a_run_that_ended_while_dead_runs_were_sought_keeps_its_status(tmp_path,
     assert client.get_run(dead).info.status == "KILLED"
 
 
+@pytest.mark.process
 def test_make_mlflow_ends_the_runs_of_killed_jobs(tmp_path, monkeypatch, tiny_raw):
     """No later run needed: opening the UI (`make mlflow`, tracking.main) ends them too."""
     import yaml
@@ -347,6 +352,7 @@ _UNTRACKED_JOB = textwrap.dedent(
 )
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("mlflow_state,enabled", [("missing", "auto"), ("installed", False)])
 def test_jobs_run_untracked_without_mlflow_or_with_tracking_off(
     tiny_raw, tmp_path, mlflow_state, enabled
@@ -419,6 +425,7 @@ def test_required_tracking_without_mlflow_is_refused_before_any_job(tiny_cfg, mo
     tracking.check(tiny_cfg)  # auto: nothing to refuse (each job says it once)
 
 
+@pytest.mark.slow  # in-process, too long for `make check`
 def test_a_store_failing_during_a_job_stops_tracking_not_the_job(
     tiny_cfg, tmp_path, monkeypatch, capsys
 ):
@@ -467,6 +474,7 @@ def test_the_dp_view_shows_epsilon_spent_beside_its_target_delta_and_accountant(
     assert params == {"delta": 1e-5, "accountant": "rdp"} and metrics == {"epsilon_spent": 0.99}
 
 
+@pytest.mark.slow  # in-process, too long for `make check`
 def test_the_runs_url_opens_the_configs_experiment_in_the_dp_view(
     tiny_raw, tmp_path, monkeypatch, capsys
 ):
@@ -513,6 +521,7 @@ def test_the_workflow_refuses_required_tracking_before_any_job(tiny_raw, tmp_pat
     assert not (tmp_path / "results" / "logs").exists()  # no job started
 
 
+@pytest.mark.process
 def test_a_job_refused_for_required_tracking_says_why_in_one_line(tiny_raw, tmp_path):
     """`python -m dpadapter ...` by hand: exit 2 and the reason, not a traceback."""
     import yaml

@@ -114,6 +114,7 @@ def test_shuffled_batches_equal_a_shuffling_data_loader():
             assert torch.equal(a, b)
 
 
+@pytest.mark.slow  # in-process, too long for `make check`
 @pytest.mark.parametrize("algo", sorted(ALGORITHMS))
 @pytest.mark.parametrize("physical,mode", [(None, "ew"), (16, "ew"), (16, "bk")])
 def test_padding_changes_no_algorithm_update(algo, physical, mode, tiny_cfg):

@@ -5,6 +5,8 @@ from __future__ import annotations
 import io
 import re
 
+import pytest
+
 from dpadapter.stages import finetune, pretrain, warmup
 from dpadapter.train.progress import ProgressLine
 
@@ -58,6 +60,7 @@ def test_warmup_and_dpadapter_logs_have_a_line_per_epoch(tiny_raw, tmp_path, mon
             ), s
 
 
+@pytest.mark.slow  # in-process, too long for `make check`
 def test_finetune_job_log_has_dp_fields_per_epoch(tiny_raw, tmp_path, monkeypatch, capfd):
     from dpadapter.settings import from_dict
 

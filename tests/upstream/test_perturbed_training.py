@@ -331,6 +331,7 @@ def test_relative_step_cost():
     assert relative_step_cost(1000, 50, refresh_every=10) == 3
 
 
+@pytest.mark.slow  # in-process, too long for `make check`
 def test_b1_chunk_halves_on_out_of_memory_and_gives_the_same_gradient(monkeypatch):
     """On a GPU the B1 gradient's chunk adapts to memory; the gradient does not change."""
     import dpadapter.upstream.perturbed as perturbed_mod

@@ -73,6 +73,7 @@ def test_errors_name_the_bad_key(tiny_raw, mutate, expected):
         validate(tiny_raw)
 
 
+@pytest.mark.process
 def test_cli_reports_bad_config_and_exits_2(tmp_path, tiny_raw):
     tiny_raw["warmup"]["epochs"] = "three"
     p = tmp_path / "bad.yaml"

@@ -264,6 +264,7 @@ def test_batch_larger_than_a_task_is_refused(tiny_raw):
 # --- structure ---------------------------------------------------------------------------------
 
 
+@pytest.mark.process
 def test_the_settings_package_imports_no_registry():
     code = (
         "import sys, dpadapter.settings\n"
@@ -277,6 +278,7 @@ def test_the_settings_package_imports_no_registry():
     assert r.returncode == 0, r.stdout + r.stderr
 
 
+@pytest.mark.process
 def test_cli_validates_with_the_registries(tmp_path, tiny_raw):
     tiny_raw["pretrain"]["params"] = {"sam": {"gama": 1.0}}
     p = tmp_path / "bad.yaml"

@@ -31,7 +31,7 @@ from dpadapter.workflow.identity import (
 )
 
 # Snakemake runs fork their jobs from the worker's fork servers (tests/conftest.py)
-pytestmark = pytest.mark.usefixtures("module_fork_servers")
+pytestmark = [pytest.mark.process, pytest.mark.usefixtures("module_fork_servers")]
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -28,7 +28,7 @@ import yaml
 from external_helpers import save_table3_checkpoints, write_image_folder
 
 # Snakemake runs fork their jobs from the worker's fork servers (tests/conftest.py)
-pytestmark = pytest.mark.usefixtures("module_fork_servers")
+pytestmark = [pytest.mark.process, pytest.mark.usefixtures("module_fork_servers")]
 
 REPO = Path(__file__).resolve().parents[2]
 RESULTS = "results/t3-tiny"

@@ -5,8 +5,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import snakemake_runner  # tests/ is on sys.path
 import yaml
+
+pytestmark = pytest.mark.process
 
 REPO = Path(__file__).resolve().parents[2]
 

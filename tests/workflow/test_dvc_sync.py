@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 from dpadapter.workflow import dvc_sync
@@ -37,6 +38,7 @@ def _age(path: Path, seconds_ago: float) -> None:
     os.utime(path, (t, t))
 
 
+@pytest.mark.process
 def test_commit_then_restore_only_what_matches_the_lock(tmp_path, monkeypatch):
     wd = _project(tmp_path, monkeypatch)
     # a run that built only a/ records only stage a; one that covers both records both

@@ -16,6 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parents[2]
@@ -67,6 +68,7 @@ def heavy_after_imports(modules: list[str]) -> dict[str, list[str]]:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.process
 def test_import_of_the_validation_loads_no_torch_opacus_or_mlflow():
     assert heavy_after_imports(["dpadapter.validation.compose"]) == {
         "dpadapter.validation.compose": []
@@ -83,11 +85,13 @@ def test_the_rule_files_import_modules_are_found():
     assert all(_is_module(m) for m in mods), mods
 
 
+@pytest.mark.process
 def test_no_module_the_rule_files_import_loads_torch_opacus_or_mlflow():
     found = heavy_after_imports(rule_file_modules())
     assert {m: h for m, h in found.items() if h} == {}
 
 
+@pytest.mark.process
 def test_a_dry_run_of_every_target_imports_no_torch_opacus_or_mlflow(tmp_path, tiny_raw):
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(tiny_raw))
     targets = ["all", "sweeps", "hpo", "audit", "federated", "validity", "report_all"]

@@ -17,6 +17,8 @@ import yaml
 from report_browser import open_report
 from tiny_config import TINY_RAW
 
+pytestmark = pytest.mark.process
+
 REPO = Path(__file__).resolve().parents[2]
 SNAKEMAKE = [sys.executable, "-m", "snakemake"]
 

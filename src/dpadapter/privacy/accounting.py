@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from dpadapter.privacy import rdp_memo
+from dpadapter.privacy import genuine, rdp_memo
 
 EPS_ERROR = 0.01  # PRV discretisation error; Opacus returns the upper end of the bound
 
@@ -213,3 +213,6 @@ class PrivacyLedger:
     @classmethod
     def from_state_dict(cls, d: dict[str, Any]) -> PrivacyLedger:
         return cls(d["delta"], d["accountant"], [Segment(**s) for s in d["history"]])
+
+
+genuine.record(globals())  # last: the names as imported, which the process memo requires

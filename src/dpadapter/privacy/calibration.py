@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from dpadapter.privacy import genuine
 from dpadapter.privacy.accounting import (
     EPS_ERROR,
     Segment,
@@ -29,7 +30,8 @@ from dpadapter.privacy.accounting import (
     epsilon_from_history,
     rdp_epsilon,
 )
-from dpadapter.privacy.memo import cached
+from dpadapter.privacy.genuine import accountant_is_genuine
+from dpadapter.privacy.memo import cached, sealed
 
 # Calibration range. Below SIGMA_MIN the noise is negligible (epsilon in the hundreds for any
 # usual grid) and PRV's numerics overflow (inf, ~10 s an evaluation): a target epsilon that
@@ -233,7 +235,8 @@ def calibrate_sigma(
     """Smallest sigma (to Opacus' tolerance) whose epsilon does not exceed the target.
 
     The bisection costs seconds with PRV and every job of a grid repeats the same few, so the
-    results are cached in a JSON file keyed by every input. A run never trusts that file: it
+    results are cached in a JSON file keyed by every input, and in this process's memory
+    (`memo.sealed`, which only the real accountant's values enter). A run never trusts that file: it
     verifies the sigma on its planned history before training (`verify_plan`) and checks the
     spent epsilon, recomputed from its recorded history, at the end.
     """
@@ -241,9 +244,18 @@ def calibrate_sigma(
         ["sigma", KEY_VERSION, accountant_version(), target_epsilon, delta, sample_rate, steps]
         + [accountant, EPS_ERROR]
     )
-    return cached(
-        cache, key, lambda: _calibrate(target_epsilon, delta, sample_rate, steps, accountant)
-    )
+
+    def compute() -> float:
+        return _calibrate(target_epsilon, delta, sample_rate, steps, accountant)
+
+    # what the file lacks, this process may have computed for another results folder (the
+    # suite's tests, each with its own): from memory, the real accountant's values only
+    def computed_in_this_process() -> float:
+        return sealed(key, compute, accountant_is_genuine)
+
+    if cache is None:
+        return computed_in_this_process()
+    return cached(cache, key, computed_in_this_process)
 
 
 def _calibrate(
@@ -286,3 +298,6 @@ def max_reachable_epsilon(delta: float, sample_rate: float, steps: int) -> float
     with warnings.catch_warnings():  # "optimal order is the smallest alpha": an upper bound
         warnings.simplefilter("ignore", UserWarning)
         return rdp_epsilon([Segment(SIGMA_MIN, sample_rate, steps)], delta)
+
+
+genuine.record(globals())  # last: the names as imported, which the process memo requires

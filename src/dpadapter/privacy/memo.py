@@ -6,8 +6,10 @@ memoised under a key that must name every input of the computation (a missing on
 run another run's noise: the tests change each input and expect a miss): in this process's
 memory, and in a JSON file shared by the jobs of a results folder (`<results_dir>/.cache/`),
 which concurrent jobs update under a lock and replace atomically. An unreadable file is treated
-as empty and rewritten. Without a file nothing is memoised (tests that stub the accountant stay
-independent).
+as empty and rewritten. The constant-sigma calibrations are also memoised in this process's
+memory across files (the suite's tests each have a results folder of their own), only while the
+accountant is the installed code (`sealed`, `genuine`): a test that stubs the accountant neither
+writes there nor reads from there.
 
 What it returns only plans a run: anyone who can write the results folder can write any number
 here. So no epsilon is ever memoised (each one printed, recorded or checked is the accountant's,
@@ -28,6 +30,8 @@ from dpadapter.ground import atomic
 # this process's results, by file and key (the file's content can only grow by other jobs'
 # results under other keys: a key's value never changes)
 _MEMORY: dict[tuple[str, str], float] = {}
+# results computed without a file, by key, each by the genuine accountant (`sealed`)
+_SEALED: dict[str, float] = {}
 
 
 def cached(cache: str | Path | None, key: str, compute: Callable[[], float]) -> float:
@@ -48,6 +52,20 @@ def cached(cache: str | Path | None, key: str, compute: Callable[[], float]) -> 
     return value
 
 
+def sealed(key: str, compute: Callable[[], float], genuine: Callable[[], bool]) -> float:
+    """`compute()`, memoised in this process's memory under `key` while `genuine()` holds, before
+    and after computing: only the real accountant's values enter, and a stubbed accountant is
+    always called (the suite's tests repeat the same calibrations, one worker after another)."""
+    if not genuine():
+        return float(compute())
+    if key in _SEALED:
+        return _SEALED[key]
+    value = float(compute())
+    if genuine():
+        _SEALED[key] = value
+    return value
+
+
 def lookup(cache: str | Path, key: str) -> Any:
     """The value stored under `key` in the JSON file `cache` (any JSON value), or None."""
     return _read(Path(cache)).get(key)
@@ -61,6 +79,7 @@ def remember(cache: str | Path, key: str, value: Any) -> None:
 def clear_memory() -> None:
     """Forget this process's results (what another job would start with; tests use it)."""
     _MEMORY.clear()
+    _SEALED.clear()
 
 
 def _read(path: Path) -> dict[str, Any]:

@@ -58,6 +58,7 @@ def released(launched) -> list[dict]:
     return [r["releases"] for r in launched]
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("mode", w.MODES)
 def test_noise_free_release_is_one_process_clipped_sum(released, mode):
     """Each example's clipped contribution enters the released sum once (float64)."""
@@ -67,6 +68,7 @@ def test_noise_free_release_is_one_process_clipped_sum(released, mode):
         assert torch.allclose(got, one, rtol=1e-12, atol=1e-14), (got - one).abs().max()
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("mode", w.MODES)
 def test_noise_is_added_once(released, mode):
     """The same noise draw (rank 0's generator, the one-process seed) lands once in the sum."""
@@ -77,12 +79,14 @@ def test_noise_is_added_once(released, mode):
         assert torch.allclose(r[(mode, 1.3)], one, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.process
 def test_an_empty_local_batch_joins_the_release(released):
     one = w.release("bk", 0.0, torch.arange(5), 5)
     for r in released:
         assert torch.allclose(r["empty"], one, rtol=1e-12, atol=1e-14)
 
 
+@pytest.mark.process
 def test_rank_0s_noise_reaches_every_rank_when_its_own_batch_is_empty(released):
     """Rank 0 draws the noise; with its local batch empty and sigma > 0 the release is still
     the one-process one: rank 1's clipped rows plus one draw of std sigma * C."""
@@ -94,6 +98,7 @@ def test_rank_0s_noise_reaches_every_rank_when_its_own_batch_is_empty(released):
         assert torch.allclose(got, one, rtol=1e-12, atol=1e-12), (got - one).abs().max()
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("bug", w.BUGS)
 def test_the_noise_test_sees_noise_added_on_every_rank_or_on_none(launched, bug):
     """The same releases with a planted bug (made in the launch, then undone) fail the
@@ -106,6 +111,7 @@ def test_the_noise_test_sees_noise_added_on_every_rank_or_on_none(launched, bug)
     assert not torch.allclose(got["empty-rank0-noisy"], one, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("algo", ALLOWED)
 def test_replicas_stay_equal_and_epsilon_is_one_process(launched, algo):
     """24 examples at q = 1/8 (expected 1.5 per rank): local batches are often empty."""
@@ -117,6 +123,7 @@ def test_replicas_stay_equal_and_epsilon_is_one_process(launched, algo):
     assert not torch.equal(r0["weights"], one["weights"])  # two samplers, not one: it did run
 
 
+@pytest.mark.process
 def test_algorithms_that_cannot_run_across_processes_are_refused(launched):
     got = launched[0]["refuse"]
     assert "cannot run in 2 processes" in got["gep"] and "anchor" in got["gep"]
@@ -124,6 +131,7 @@ def test_algorithms_that_cannot_run_across_processes_are_refused(launched):
     assert "dpsgd" in launched[0]["fit"]  # an allowed one ran in the same launch
 
 
+@pytest.mark.process
 def test_a_killed_job_resumes_to_the_uninterrupted_run(launched):
     """Killed after epoch 1's state was saved, resumed: each rank's sampler and RNG come back
     (rank 1's own, not rank 0's), so the weights and the ledger are the uninterrupted run's."""
@@ -134,6 +142,7 @@ def test_a_killed_job_resumes_to_the_uninterrupted_run(launched):
     assert not torch.equal(launched[0]["resume"]["weights"], w.fit("dpsgd", "bk", 48)["weights"])
 
 
+@pytest.mark.process
 def test_a_crash_on_one_rank_fails_the_job_without_a_hang(tmp_path):
     p, took = torchrun("crash", tmp_path, timeout=120)
     assert p.returncode != 0
@@ -142,6 +151,7 @@ def test_a_crash_on_one_rank_fails_the_job_without_a_hang(tmp_path):
     assert took < 90, took
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("method", w.PRETRAIN)
 def test_pre_training_in_two_processes_makes_the_one_process_updates(launched, method):
     """Warm-up's SGD, SAM's perturbation and DPAdapter's B1 gradient split over two ranks

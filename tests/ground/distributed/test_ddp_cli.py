@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[3]
 # run's jobs are: it sees one thread, as Snakemake's training rules give it; a two-process one
 # re-launches itself under torchrun from there (as in
 # tests/ground/distributed/test_ddp_pipeline.py).
-pytestmark = pytest.mark.usefixtures("module_fork_servers")
+pytestmark = [pytest.mark.process, pytest.mark.usefixtures("module_fork_servers")]
 
 
 def _run(config: Path, *args: str) -> subprocess.CompletedProcess:

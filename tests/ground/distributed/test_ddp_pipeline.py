@@ -16,6 +16,8 @@ import torch
 import yaml
 from tiny_config import TINY_RAW
 
+pytestmark = pytest.mark.process
+
 REPO = Path(__file__).resolve().parents[3]
 
 
