@@ -120,6 +120,7 @@ def test_search_refuses_a_proxy_in_the_grids(tmp_path, tiny_raw, monkeypatch):
         recipe.main(["--config", str(cfg_path), "--search", str(search), "--workers", "1"])
 
 
+@pytest.mark.process  # the search runs its candidates in a worker pool (a forked process)
 def test_an_algorithm_is_searched_with_its_own_knobs(tmp_path, tiny_raw, monkeypatch):
     """The same procedure for another algorithm: its params searched with the recipe, the pick
     by the same score, both recorded (what configs/table1.yaml must then hold)."""
