@@ -9,14 +9,17 @@ marker would rot: a new end-to-end test left unmarked would silently lengthen th
 
 Every way this Python starts a process ends in one of the functions wrapped here
 (`subprocess.Popen` for `subprocess.run`, `os.popen` and asyncio; `_posixsubprocess.fork_exec`
-for multiprocessing's spawn and forkserver starts; `os.fork` for its fork start, `os.spawn*`
-and `pty.fork`). The wrappers are installed once and refuse only while a guarded test runs.
+for multiprocessing's spawn start and its fork server's own start, the fork server's
+`connect_to_new_process` for a start through a fork server already running; `os.fork` for
+its fork start, `os.spawn*` and `pty.fork`). The wrappers are installed once and refuse only
+while a guarded test runs.
 """
 
 from __future__ import annotations
 
 import _posixsubprocess
 import functools
+import multiprocessing.forkserver
 import os
 import platform
 import subprocess
@@ -87,6 +90,14 @@ def _popen_args(self, args, *rest, **kwargs) -> str:
 _TARGETS = (
     (subprocess.Popen, "_execute_child", "subprocess.Popen", _popen_args),
     (_posixsubprocess, "fork_exec", "_posixsubprocess.fork_exec", None),
+    # a fork server already running (started by an earlier test in this worker) forks the child
+    # itself: the request is the start
+    (
+        multiprocessing.forkserver,  # the module's name for its server's bound method
+        "connect_to_new_process",
+        "multiprocessing's fork server",
+        None,
+    ),
     (os, "fork", "os.fork", None),
     (os, "forkpty", "os.forkpty", None),
     (os, "posix_spawn", "os.posix_spawn", None),
