@@ -44,6 +44,7 @@ def test_each_example_contribution_is_within_the_declared_sensitivity(name, algo
     C.check_sensitivity(ALGORITHMS[name], algo_data)
 
 
+@pytest.mark.slow  # over ~1.5 s: make check's 2 minutes (docs/testing.md)
 @pytest.mark.parametrize("name", NAMES)
 def test_noise_has_the_configured_std_and_the_ledger_records_its_joint_sigma(name, algo_data, mode):
     C.check_noise(ALGORITHMS[name], algo_data)

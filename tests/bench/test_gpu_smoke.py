@@ -76,6 +76,7 @@ def test_epsilon_check_sees_a_missing_release(smoke, cfg, monkeypatch):
     assert "planned" in _check(smoke, cfg)["failures"]["epsilon"]
 
 
+@pytest.mark.slow  # over ~1.5 s: make check's 2 minutes (docs/testing.md)
 def test_accuracy_check_sees_a_run_that_learns_nothing(smoke, cfg):
     frozen = dataclasses.replace(cfg, finetune=dataclasses.replace(cfg.finetune, lr=1e-9))
     r = _check(smoke, frozen)

@@ -277,6 +277,7 @@ def test_dp_head_tuning_freezes_evonorm_statistics_end_to_end():
     assert algo.frozen_statistics == ["'body.1' (EvoNorm2dB0)"]  # what metrics.json records
 
 
+@pytest.mark.slow  # over ~1.5 s: make check's 2 minutes (docs/testing.md)
 @pytest.mark.parametrize("check", [True, False], ids=["self-test", "no-self-test"])
 def test_dp_head_tuning_refuses_a_module_that_mixes_examples(check):
     """By name, whether or not the (optional) self-test runs."""

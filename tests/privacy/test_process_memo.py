@@ -85,6 +85,7 @@ PATCHES = {
 }
 
 
+@pytest.mark.slow  # over ~1.5 s: make check's 2 minutes (docs/testing.md)
 @pytest.mark.parametrize("where", sorted(PATCHES))
 def test_a_replaced_accountant_neither_writes_nor_reads_the_memo(where, monkeypatch, tmp_path):
     owner, name, replace = PATCHES[where]

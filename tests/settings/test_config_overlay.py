@@ -202,6 +202,7 @@ def test_the_merged_file_is_the_whole_config_and_reads_back_equal(in_tmp):
     assert load(out).to_dict() == load("configs/top.yaml").to_dict()
 
 
+@pytest.mark.slow  # over ~1.5 s: make check's 2 minutes (docs/testing.md)
 @pytest.mark.parametrize("path", SHIPPED, ids=[p.name for p in SHIPPED])
 def test_every_shipped_config_loads_merges_and_validates(path):
     cfg = load(path)

@@ -258,6 +258,7 @@ def test_a_compiled_job_records_it_and_trains_as_the_eager_one(
         assert torch.allclose(a[k].float(), b[k].float(), rtol=1e-4, atol=1e-5), k
 
 
+@pytest.mark.slow  # over ~1.5 s: make check's 2 minutes (docs/testing.md)
 def test_an_algorithms_recipe_is_what_its_jobs_train_with(tiny_raw, scratch_ckpt, tmp_path):
     """`finetune.recipes.<algo>` replaces the shared recipe for that algorithm's jobs only: the
     steps, batch and clip reach the accountant, the lr the optimizer (and metrics.json)."""

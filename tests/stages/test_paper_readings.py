@@ -58,6 +58,7 @@ def test_table2_configs_use_the_papers_code_readings():
         assert cfg.data.normalization == ((0.1307,), (0.3081,))
 
 
+@pytest.mark.slow  # over ~1.5 s: make check's 2 minutes (docs/testing.md)
 def test_loader_reading_reaches_the_loop_and_the_ledger(tiny_cfg, tmp_path):
     """q = 1/ceil(n/B) with B not dividing n: the releases and the recorded history use it."""
     import dataclasses

@@ -99,6 +99,7 @@ def test_a_strategys_job_is_its_own_run_and_folder(tiny_cfg, tmp_path):
     assert finetune.resume_path(tiny_cfg, wc).parts[-4] == "dpsgd"
 
 
+@pytest.mark.slow  # over ~1.5 s: make check's 2 minutes (docs/testing.md)
 def test_finetune_run_has_the_dp_columns_and_the_config_identity(tiny_cfg, tmp_path):
     pretrain.run(tiny_cfg, "scratch", tmp_path / "pre", None)
     m = finetune.run(
