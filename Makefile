@@ -90,12 +90,18 @@ validity: setup
 	$(BIN)/snakemake --cores $(CORES) --configfile $(CONFIG) --rerun-incomplete validity
 	@cat $(RESULTS)/summary/validity.md
 
+# pytest with Python's bytecode caches on, where the environment turns them off
+# (PYTHONDONTWRITEBYTECODE, as container images often do): without them each xdist worker
+# re-reads and assertion-rewrites every test module at every run (collection 18 s -> 7.5 s per
+# worker, measured in docs/measured.md). The caches go to __pycache__/ (git-ignored).
+PYTEST := PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest
+
 # The fast tier, for the edit loop: the tests marked neither `process` nor `slow`, so none that
 # starts Snakemake, Slurm, DVC, torchrun, a server, a fork server or any other process (one that
 # does, unmarked, fails: tests/process_guard.py) and none that takes long. `make test` (all of
 # them) before committing (docs/testing.md).
 check: setup
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not process and not slow" --durations=10
+	$(PYTEST) -q -n 2 --dist loadfile -m "not process and not slow" --durations=10
 
 # The whole suite, tests/cluster included (a real one-node Slurm, DVC round trip, MLflow under
 # load, SIGKILL resume). Two xdist workers, one test file per worker at a time: the cluster tests
@@ -103,10 +109,10 @@ check: setup
 # longest files are handed out first (tests/longest_first.py), so both workers finish together.
 # The 30 slowest tests are listed at the end of every run (docs/measured.md says what each proves).
 test: setup browser
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=30
+	$(PYTEST) -q -n 2 --dist loadfile --durations=30
 
 test-cluster: setup
-	$(BIN)/python -m pytest -q tests/cluster
+	$(PYTEST) -q tests/cluster
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests bench

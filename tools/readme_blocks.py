@@ -102,6 +102,12 @@ KINDS = {
             ("src", "workflow", "Snakefile", "config.yaml", "requirements.txt"),
             "`make run` on a fresh clone on a quiet machine: its wall time, set-up included",
         ),
+        Kind(
+            "table1",
+            ("src", "workflow", "Snakefile", "config.yaml", "configs/table1.yaml",
+             "requirements.txt"),
+            "`make run CONFIG=configs/table1.yaml` after `make run`: the Table 1 answer",
+        ),  # fmt: skip
         Kind("gpu-cell", (), "a DP-SAT Table 2 cell on a GPU (docs/gpu-runs/cells/)"),
     )
 }
@@ -303,6 +309,31 @@ def render_commands(latest: dict[str, Record]) -> str:
     )
 
 
+TABLE1_LEAD = "### Does DPAdapter help each algorithm here?"
+
+
+def render_table1(latest: dict[str, Record]) -> str:
+    r = latest["table1"]
+    rows = [c for c in _table_after(r.printed(), TABLE1_LEAD)
+            if c["comparison"] == "dpadapter − standard"]  # fmt: skip
+    if not rows:
+        raise ValueError(f"{r.folder}: the printed Table 1 answer has no DPAdapter − standard row")
+
+    def one(c: dict[str, str]) -> str:
+        ours = c["ours [95 % CI]"].replace("-", "−")
+        paper = c["paper mean"]
+        return f"{c['algorithm']} {ours}" + ("" if paper == "–" else f" (paper {paper})")
+
+    return (
+        f"The paper's Table 1 at our scale (`make run CONFIG=configs/table1.yaml` after `make "
+        f"run`: six algorithms × five upstreams × three tasks × ε ∈ {{1, 4}} × three seeds, each "
+        f"algorithm with its own recipe from the public proxy): DPAdapter − standard, pooled, "
+        f"points [95 %]: {'; '.join(one(c) for c in rows)}. Record: {_dated(r)} "
+        f"([docs/validity.md](docs/validity.md#table-1-at-our-scale-every-algorithm-every-"
+        f"upstream-issue-67-2026-11-29)).\n"
+    )
+
+
 def render_gpu(latest: dict[str, Record], cells: list[Record] | None = None) -> str:
     from dpadapter.validation.compose import load as load_config
 
@@ -335,6 +366,7 @@ class Block:
 BLOCKS = (
     Block("make-run", ("make-run",), render_make_run),
     Block("commands", ("make-run-time",), render_commands),
+    Block("table1", ("table1",), render_table1),
     Block("gpu", ("gpu-cell",), render_gpu),
 )
 

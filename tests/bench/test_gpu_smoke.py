@@ -36,6 +36,7 @@ def _check(smoke, cfg, name="dpsgd", repeat=False):
     return smoke.check_algorithm(name, cfg, CPU, repeat=repeat, n=1000, side=16)
 
 
+@pytest.mark.slow  # over ~1.5 s: make check's 2 minutes (docs/testing.md)
 def test_a_correct_run_passes_every_check(smoke, cfg):
     r = _check(smoke, cfg, repeat=True)
     assert r["failures"] == {}
@@ -101,6 +102,7 @@ def test_finite_check_sees_nan_weights(smoke):
     assert "weight" in smoke.check_finite(model)
 
 
+@pytest.mark.slow  # over ~1.5 s: make check's 2 minutes (docs/testing.md)
 def test_repeat_check_sees_an_unseeded_noise_generator(smoke, cfg, monkeypatch):
     from dpadapter.ground import device as devices
 
@@ -110,6 +112,7 @@ def test_repeat_check_sees_an_unseeded_noise_generator(smoke, cfg, monkeypatch):
     assert "differ" in _check(smoke, cfg, repeat=True)["failures"]["repeat"]
 
 
+@pytest.mark.slow  # over ~1.5 s: make check's 2 minutes (docs/testing.md)
 def test_shape_check_sees_unpadded_batches(smoke, cfg, monkeypatch):
     from dpadapter.train import batching
 

@@ -174,3 +174,17 @@ def test_the_configs_hold_each_algorithms_chosen_recipe(chosen):
         assert ft["recipes"][algo] == got["chosen"], name
         own = got["chosen_algo_params"]
         assert {k: ft["algo_params"][algo][k] for k in own} == own, name
+
+
+def test_every_algorithm_of_the_table1_overlay_has_its_own_chosen_recipe():
+    """Issue 67: each algorithm is tuned as DP-SGD was; none may fine-tune on DP-SGD's recipe by
+    default. An algorithm added to the overlay without its search fails here."""
+    from dpadapter.settings import load
+
+    cfg = load(REPO / "configs/table1.yaml")
+    ft = cfg.finetune
+    algos = {*ft.algorithms, *(a for g in ft.extra_grids for a in g.algorithms)}
+    chosen = {yaml.safe_load(p.read_text())["algorithm"]
+              for p in (REPO / "configs/recipe").glob("chosen-*.yaml")}  # fmt: skip
+    assert algos - {recipe.DPSGD} <= chosen, sorted(algos - {recipe.DPSGD} - chosen)
+    assert set(ft.recipes) >= algos - {recipe.DPSGD}

@@ -115,6 +115,7 @@ def test_table2_models_train_a_hooks_step_without_tripping_the_guard(path):
     wrapped._close()
 
 
+@pytest.mark.slow  # over ~1.5 s: make check's 2 minutes (docs/testing.md)
 def test_timm_convnext_under_hooks_is_refused_where_layernorm2d_feeds_a_conv():
     """The issue's silent error (hooks' clipped sum off by 1.45 on ConvNeXt) is now an error."""
     import timm

@@ -118,6 +118,7 @@ def test_bf16_clipped_contribution_is_within_the_bound(mode, monkeypatch):
         assert float(summed.norm()) <= c * (1 + 1e-5), (i, float(summed.norm()))
 
 
+@pytest.mark.slow  # over ~1.5 s: make check's 2 minutes (docs/testing.md)
 def test_noise_and_summed_grad_are_fp32_under_bf16(tiny_cfg, monkeypatch):
     """The Gaussian mechanism's noise is drawn in fp32 and added to an fp32 clipped sum."""
     drawn = []

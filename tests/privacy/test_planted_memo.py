@@ -73,6 +73,7 @@ def test_finetune_refuses_a_planted_sigma_before_training(
     memo.clear_memory()
 
 
+@pytest.mark.slow  # over ~1.5 s: make check's 2 minutes (docs/testing.md)
 def test_finetune_prints_and_checks_the_accountants_epsilon_not_a_memo(
     tiny_cfg, scratch_ckpt, tmp_path
 ):

@@ -91,6 +91,7 @@ def test_secret_noise_and_sampling_come_from_the_os_not_the_seed(
     assert any(not torch.equal(w0[k], w2[k]) for k in w0)
 
 
+@pytest.mark.slow  # over ~1.5 s: make check's 2 minutes (docs/testing.md)
 def test_seeded_runs_are_unchanged_by_the_os(tiny_cfg, monkeypatch):
     """The default mode never reads the OS for its mechanism: the same seed, the same run."""
     w0, _ = _fit(tiny_cfg, 0)
@@ -133,6 +134,7 @@ def test_every_metrics_json_says_which_mode_ran(tiny_raw, tiny_cfg, tmp_path):
         assert m["randomness"]["mode"] == mode
 
 
+@pytest.mark.slow  # over ~1.5 s: make check's 2 minutes (docs/testing.md)
 def test_a_secret_run_resumes(tiny_raw, tiny_cfg, tmp_path, monkeypatch):
     """A killed secret run resumes (no generator state is needed) and spends what planned."""
     from dpadapter.stages import finetune, pretrain

@@ -167,3 +167,42 @@ def test_the_schema_reads_the_same_with_either_yaml_parser():
     assert base_schema() == yaml.load(schema.SCHEMA_PATH.read_text(), Loader=yaml.SafeLoader)
     if yaml.__with_libyaml__:
         assert schema._SAFE_LOADER is yaml.CSafeLoader
+
+
+def test_the_parse_memo_hands_out_copies_and_sees_an_edit(in_tmp):
+    """A text's parse is memoised (settings/files.py): a caller that changes what it got must
+    not change the next read, and an edited file (another text) is parsed again, its
+    duplicate refused though the text before it was read cleanly."""
+    p = in_tmp / "c.yaml"
+    p.write_text("finetune:\n  epsilons: [1, 4]\n")
+    first = read_raw(p)
+    first["finetune"]["epsilons"].append(8)
+    assert read_raw(p)["finetune"]["epsilons"] == [1, 4]
+    lines = key_lines(p)
+    lines["finetune"] = 99
+    assert key_lines(p)["finetune"] == 1
+    p.write_text("finetune:\n  epsilons: [2]\n")
+    assert read_raw(p)["finetune"]["epsilons"] == [2]
+    p.write_text("finetune:\n  epsilons: [2]\n  epsilons: [3]\n")
+    with pytest.raises(ConfigError, match=r"c\.yaml:3: finetune\.epsilons: duplicate key"):
+        read_raw(p)
+
+
+def test_libyaml_and_pure_python_parsers_read_every_shipped_config_alike():
+    """The memo parses with libyaml's parser where PyYAML has it: the documents and the line
+    maps must be what the pure-Python parser gives, for every config the project ships."""
+    import yaml
+
+    from dpadapter.settings import files
+
+    paths = [REPO / "config.yaml", *sorted((REPO / "configs").rglob("*.yaml"))]
+    for path in paths:
+        text = path.read_text()
+        fast = files._parsed.__wrapped__(text)
+        loader = files._LOADER
+        try:
+            files._LOADER = yaml.SafeLoader
+            slow = files._parsed.__wrapped__(text)
+        finally:
+            files._LOADER = loader
+        assert fast == slow, path

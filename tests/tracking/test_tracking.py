@@ -202,6 +202,7 @@ def test_default_store_lives_in_the_results_folder(monkeypatch, tmp_path):
     assert tracking.resolve_uri(TrackingConfig(), "results-a") == "http://x:1"
 
 
+@pytest.mark.slow  # over ~1.5 s: make check's 2 minutes (docs/testing.md)
 def test_existing_experiment_gets_the_training_runs_view(monkeypatch, tmp_path):
     import mlflow
 
@@ -390,6 +391,7 @@ def _closed_port_uri() -> str:
     return f"http://127.0.0.1:{port}"  # nothing listens there any more
 
 
+@pytest.mark.slow  # over ~1.5 s: make check's 2 minutes (docs/testing.md)
 def test_an_unreachable_server_is_skipped_under_auto_and_refused_under_true(
     tiny_cfg, tmp_path, monkeypatch, capsys
 ):

@@ -29,6 +29,7 @@ def _fit(cfg, optimizer: str, lr: float):
     return deltas.abs(), ledger
 
 
+@pytest.mark.slow  # over ~1.5 s: make check's 2 minutes (docs/testing.md)
 def test_adam_first_step_moves_every_coordinate_by_about_lr(tiny_cfg):
     """Adam's first update is lr * m / (sqrt(v) + eps) = lr * g / (|g| + eps): each coordinate
     moves by lr (bias-corrected), whatever the gradient's scale; SGD's moves are lr * |g|."""

@@ -59,19 +59,28 @@ def shown_path(path: str | Path) -> str:
         return str(p)
 
 
-def key_lines(path: str | Path) -> dict[str, int]:
-    """Line (1-based) of every key and list item of a YAML (or JSON) file, by dotted path.
+# libyaml's parser where PyYAML has it (its wheels do): the same nodes and marks as the
+# pure-Python parser, several times faster. A run reads the same few config files many times
+# (every job, the workflow's parse, the checks) and the tests thousands of times, so a text's
+# parse is memoised: a pure function of the text (an edited file is another text), with
+# copies handed out.
+_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
-    PyYAML, like Snakemake's loader, keeps the later of two equal keys without a word, so
-    `epsilons:` written twice would run a grid nobody asked for: a key given twice in one
-    mapping raises ConfigError naming both lines. Paths are spelt as the schema errors spell
-    them (`finetune.extra_grids.0.algorithms`), so a problem can be pointed at its line.
-    """
-    p = Path(path)
-    root = yaml.compose(p.read_text(), Loader=yaml.SafeLoader)
+
+@functools.lru_cache(maxsize=128)
+def _parsed(text: str) -> tuple[dict[str, int], tuple[str, int, int] | None, Any]:
+    """(line of every key path, the first duplicate key as (path, line, first line) or None,
+    the document), from one parse of `text`."""
+    loader = _LOADER(text)
+    try:
+        root = loader.get_single_node()
+        data = loader.construct_document(root) if root is not None else None
+    finally:
+        loader.dispose()
     lines: dict[str, int] = {}
+    duplicate = None
     pending = [(root, "")]
-    while pending:
+    while pending and duplicate is None:
         node, where = pending.pop()
         if isinstance(node, yaml.MappingNode):
             first: dict[str, int] = {}
@@ -80,11 +89,8 @@ def key_lines(path: str | Path) -> dict[str, int]:
                 here = f"{where}.{name}" if where else name
                 line = key.start_mark.line + 1
                 if name in first:
-                    raise ConfigError(
-                        f"invalid config:\n  {shown_path(p)}:{line}: {here}: duplicate key "
-                        f"(first at line {first[name]}); YAML would keep only the later "
-                        "value: delete one of the two"
-                    )
+                    duplicate = (here, line, first[name])
+                    break
                 first[name] = lines[here] = line
                 pending.append((value, here))
         elif isinstance(node, yaml.SequenceNode):
@@ -92,7 +98,31 @@ def key_lines(path: str | Path) -> dict[str, int]:
                 here = f"{where}.{i}" if where else str(i)
                 lines[here] = item.start_mark.line + 1
                 pending.append((item, here))
-    return lines
+    return lines, duplicate, data
+
+
+def _read_yaml(p: Path) -> tuple[dict[str, int], Any]:
+    """The line map and a fresh copy of the document of `p`; a duplicate key refused."""
+    lines, duplicate, data = _parsed(p.read_text())
+    if duplicate is not None:
+        here, line, first = duplicate
+        raise ConfigError(
+            f"invalid config:\n  {shown_path(p)}:{line}: {here}: duplicate key "
+            f"(first at line {first}); YAML would keep only the later "
+            "value: delete one of the two"
+        )
+    return dict(lines), copy.deepcopy(data)
+
+
+def key_lines(path: str | Path) -> dict[str, int]:
+    """Line (1-based) of every key and list item of a YAML (or JSON) file, by dotted path.
+
+    PyYAML, like Snakemake's loader, keeps the later of two equal keys without a word, so
+    `epsilons:` written twice would run a grid nobody asked for: a key given twice in one
+    mapping raises ConfigError naming both lines. Paths are spelt as the schema errors spell
+    them (`finetune.extra_grids.0.algorithms`), so a problem can be pointed at its line.
+    """
+    return _read_yaml(Path(path))[0]
 
 
 def _unique(path: Path, pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -114,8 +144,7 @@ def read_one(p: Path) -> dict[str, Any]:
         if p.suffix == ".json":
             raw = json.loads(p.read_text(), object_pairs_hook=functools.partial(_unique, p))
         else:
-            key_lines(p)
-            raw = yaml.safe_load(p.read_text()) or {}
+            raw = _read_yaml(p)[1] or {}
     except (yaml.YAMLError, json.JSONDecodeError) as exc:
         raise ConfigError(f"{p}: not valid YAML: {exc}") from exc
     if not isinstance(raw, dict):
