@@ -104,10 +104,16 @@ KINDS = {
         ),
         Kind(
             "table1",
-            ("src", "workflow", "Snakefile", "config.yaml", "configs/table1.yaml",
-             "requirements.txt"),
+            (
+                "src",
+                "workflow",
+                "Snakefile",
+                "config.yaml",
+                "configs/table1.yaml",
+                "requirements.txt",
+            ),
             "`make run CONFIG=configs/table1.yaml` after `make run`: the Table 1 answer",
-        ),  # fmt: skip
+        ),
         Kind("gpu-cell", (), "a DP-SAT Table 2 cell on a GPU (docs/gpu-runs/cells/)"),
     )
 }
@@ -314,21 +320,30 @@ TABLE1_LEAD = "### Does DPAdapter help each algorithm here?"
 
 def render_table1(latest: dict[str, Record]) -> str:
     r = latest["table1"]
-    rows = [c for c in _table_after(r.printed(), TABLE1_LEAD)
+    text = r.printed()
+    rows = [c for c in _table_after(text, TABLE1_LEAD)
             if c["comparison"] == "dpadapter − standard"]  # fmt: skip
     if not rows:
         raise ValueError(f"{r.folder}: the printed Table 1 answer has no DPAdapter − standard row")
+    # the answer line per algorithm, under the table: "- DP-SGD: **not detectably**: ..."
+    after = text[text.index(TABLE1_LEAD) :]
+    verdict = dict(re.findall(r"^- (.+?): \*\*(.+?)\*\*", after, flags=re.M))
 
     def one(c: dict[str, str]) -> str:
+        name = c["algorithm"]
+        if name not in verdict:
+            raise ValueError(f"{r.folder}: no answer line for {name} under the Table 1 answer")
         ours = c["ours [95 % CI]"].replace("-", "−")
         paper = c["paper mean"]
-        return f"{c['algorithm']} {ours}" + ("" if paper == "–" else f" (paper {paper})")
+        return (f"{name}: {verdict[name]} ({ours}, detectable {c['detectable']}"
+                + ("" if paper == "–" else f"; paper {paper}") + ")")  # fmt: skip
 
     return (
-        f"The paper's Table 1 at our scale (`make run CONFIG=configs/table1.yaml` after `make "
-        f"run`: six algorithms × five upstreams × three tasks × ε ∈ {{1, 4}} × three seeds, each "
-        f"algorithm with its own recipe from the public proxy): DPAdapter − standard, pooled, "
-        f"points [95 %]: {'; '.join(one(c) for c in rows)}. Record: {_dated(r)} "
+        f"The paper's Table 1 question at our scale, does DPAdapter help each DP algorithm? "
+        f"(`make run CONFIG=configs/table1.yaml` after `make run`: five upstreams, two for DP-SAT "
+        f"and DP-SAM, × three tasks × ε ∈ {{1, 4}} × three seeds, each algorithm with its own "
+        f"recipe from the public proxy). DPAdapter − standard, pooled, points [95 %]: "
+        f"{'; '.join(one(c) for c in rows)}. Record: {_dated(r)} "
         f"([docs/validity.md](docs/validity.md#table-1-at-our-scale-every-algorithm-every-"
         f"upstream-issue-67-2026-11-29)).\n"
     )

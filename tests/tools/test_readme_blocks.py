@@ -66,6 +66,32 @@ def test_the_dpadapter_sentence_is_the_paired_row_make_run_printed():
     assert r.short in readme and r.date in readme
 
 
+def test_the_table1_sentence_is_each_algorithms_answer_as_the_overlay_printed_it():
+    """Issue 67: one README sentence answers, per algorithm, whether DPAdapter helps, with the
+    interval and the detectable difference beside the paper's effect, from the overlay's record."""
+    r = rb.records("table1")[0]
+    text = r.printed()
+    readme = rb.README.read_text()
+    rows = [c for c in rb._table_after(text, rb.TABLE1_LEAD)
+            if c["comparison"] == "dpadapter − standard"]  # fmt: skip
+    assert {c["algorithm"] for c in rows} >= {"DP-SGD", "AdpClip", "GEP", "AdpAlloc"}
+    for c in rows:
+        line = next(s for s in text.splitlines() if s.startswith(f"- {c['algorithm']}: **"))
+        verdict = line.split("**")[1]
+        ours = c["ours [95 % CI]"].replace("-", "−")
+        assert f"{c['algorithm']}: {verdict} ({ours}, detectable {c['detectable']}" in readme
+    assert r.short in readme and r.date in readme
+
+
+def test_an_algorithm_without_its_answer_line_is_refused(tmp_path):
+    root = _copy_records(tmp_path)
+    folder = rb.records("table1", root)[0].folder
+    printed = folder / "printed.md"
+    printed.write_text(printed.read_text().replace("- GEP: **", "- GEP: "))
+    with pytest.raises(ValueError, match="no answer line for GEP"):
+        rb.render_table1(rb.latest(("table1",), root))
+
+
 def test_a_figure_edited_by_hand_fails(tmp_path):
     page = tmp_path / "README.md"
     text = rb.README.read_text()
